@@ -1,0 +1,111 @@
+"""``fxshard.shard``: the pass pipeline from a model to a per-rank ShardedModule."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from .context import ShardContext
+from .errors import ShardingError
+from .mesh import MeshInfo
+from .module import Program, ShardedModule, local_slice
+from .passes.annotate import annotate, spec_leaves
+from .passes.emit import emit
+from .passes.localize import localize, runtime_device
+from .passes.propagate import propagate
+from .passes.redistribute import redistribute
+from .passes.trace import Traced, trace_forward
+from .placements import Pl
+from .plan import resolve_plan, to_placements
+from .symbolic import sym_shape
+
+__all__ = ["shard", "PASSES", "run_passes"]
+
+PASSES: list[Callable[[fx.GraphModule, ShardContext], fx.GraphModule]] = [propagate, redistribute, localize, emit]
+
+
+def run_passes(gm: fx.GraphModule, ctx: ShardContext, verify: Optional[Callable] = None) -> fx.GraphModule:
+    """Propagate, redistribute, localize and emit ``gm`` in place (``verify`` runs after each pass)."""
+    for p in PASSES:
+        gm = p(gm, ctx)
+        if verify is not None:
+            verify(gm, ctx, p.__name__)
+    return gm
+
+
+def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo) -> list[Optional[tuple[Pl, ...]]]:
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    leaves = pytree.tree_leaves(out_node.args[0])
+    struct = pytree.tree_unflatten(list(range(len(leaves))), traced.out_tree)
+    specs = spec_leaves(out_specs, struct, "out_specs") if out_specs is not None else [None] * len(leaves)
+    req = []
+    for i, (leaf, spec) in enumerate(zip(leaves, specs)):
+        val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            req.append(to_placements(spec, mesh, val.dim(), f"out_specs for output {i}"))
+        else:
+            req.append(None)
+    return req
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *,
+          example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
+          out_specs: Any = None, dynamic_shapes: Any = None) -> ShardedModule:
+    """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
+
+    Requires: ``example_inputs`` with global shapes (any device; meta works), a
+    plan of FQN globs -> ``P(...)``/placements (parameters, buffers) or
+    ``ColwiseParallel()``/``RowwiseParallel()`` (nn.Linear/nn.Embedding
+    modules); ``in_specs`` a spec pytree prefix of ``example_inputs`` (default
+    replicated) and ``out_specs`` one of the outputs (default replicated).
+    Ensures: the module's parameters are local shards under the original
+    FQNs, and its forward on each rank's local inputs returns the local part
+    of what ``model`` returns on the global inputs. Plan errors raise
+    ShardingError before tracing.
+    """
+    info = MeshInfo.of(mesh)
+    example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    param_pls = resolve_plan(plan, model, info)
+    traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes)
+    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info))
+
+    placements: dict[str, tuple[Pl, ...]] = {}
+    shapes: dict[str, tuple] = {}
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    for node, slot in zip(placeholders, traced.slots):
+        for name in slot.names if slot.kind in ("param", "buffer") else ():
+            placements[name] = ctx.seeds[node.name]
+            shapes[name] = sym_shape(node.meta["val"])
+
+    gm = run_passes(traced.gm, ctx)
+    tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
+    return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), mesh, info, placements, shapes, tensors)
+
+
+def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Local shards of every parameter/buffer, sliced from the model's tensors (meta: uninitialized)."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    out: dict[str, torch.Tensor] = {}
+    for slot in traced.slots:
+        if slot.kind not in ("param", "buffer"):
+            continue
+        name = slot.names[0]
+        full = named[name]
+        pls = placements[name]
+        if full.device.type == "meta":
+            from .spec import local_shape
+
+            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape))]
+            local = torch.empty(shape, dtype=full.dtype, device=device)
+        else:
+            local = local_slice(full.detach().to(device), mesh, pls).clone()
+        out[name] = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
+    return out

@@ -1,0 +1,199 @@
+"""Emit the graph nodes that turn one placement into another on the local tensors.
+
+Every emitted program is plain ATen plus ``torch.ops._c10d_functional``
+collectives and ``wait_tensor``, so it runs eagerly, exports and compiles. The
+functional gather/scatter act on dim 0; other dims (and strided shards) are
+permuted to the front around them. Symbolic sizes become ``sym_size`` nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+
+from .mesh import MeshInfo
+from .placements import Part, Pl, R, S
+from .spec import Spec, local_shape
+from .symbolic import Dim, is_concrete, prod
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+__all__ = ["Emitter", "COMM_KEY", "INSERTED_KEY", "redistribute_nodes", "hint"]
+
+COMM_KEY = "fxshard_comm"
+INSERTED_KEY = "fxshard_inserted"
+
+Val = Union[int, fx.Node]
+
+
+def hint(d: Dim) -> int:
+    """A concrete stand-in for a size: symbols count as 64 (for byte estimates only)."""
+    if is_concrete(d):
+        return int(d)
+    return int(d.subs({s: 64 for s in d.free_symbols}))
+
+
+@dataclass
+class Emitter:
+    """Creates nodes before ``anchor`` in ``graph``, tagging each as fxshard-inserted."""
+
+    graph: fx.Graph
+    anchor: fx.Node
+    reason: dict
+
+    def op(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            n = self.graph.call_function(target, args, kwargs)
+        n.meta[INSERTED_KEY] = True
+        return n
+
+    def size(self, x: fx.Node, d: int, ld: Dim) -> Val:
+        return int(ld) if is_concrete(ld) else self.op(aten.sym_size.int, x, d)
+
+    def arith(self, fn: Any, a: Val, b: Val) -> Val:
+        if isinstance(a, int) and isinstance(b, int):
+            return fn(a, b)
+        return self.op(fn, a, b)
+
+    def shape(self, x: fx.Node, lshape: Sequence[Dim]) -> list[Val]:
+        return [self.size(x, d, s) for d, s in enumerate(lshape)]
+
+    def contiguous(self, x: fx.Node) -> fx.Node:
+        return self.op(aten.clone.default, x, memory_format=torch.contiguous_format)
+
+    def comm(self, target: Any, kind: str, axis: str, x: fx.Node, nbytes: int, *args: Any) -> fx.Node:
+        c = self.op(target, x, *args)
+        c.meta[COMM_KEY] = dict(self.reason, kind=kind, axis=axis, bytes=nbytes)
+        w = self.op(c10d.wait_tensor.default, c)
+        return w
+
+
+def _to_front(e: Emitter, x: fx.Node, d: int, ndim: int, contiguous: bool) -> tuple[fx.Node, list[int]]:
+    """``x`` with dim ``d`` moved to the front, contiguous (no copy when already so)."""
+    perm = [d] + [i for i in range(ndim) if i != d]
+    if d == 0:
+        return (x if contiguous else e.contiguous(x)), perm
+    return e.contiguous(e.op(aten.permute.default, x, perm)), perm
+
+
+def _inverse(perm: list[int]) -> list[int]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return inv
+
+
+def all_gather(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo, itemsize: int,
+               contiguous: bool) -> fx.Node:
+    n = mesh.sizes[a]
+    ndim = len(lshape)
+    nbytes = hint(prod(lshape)) * itemsize * n
+    xf, perm = _to_front(e, x, p.dim, ndim, contiguous)
+    g = e.comm(c10d.all_gather_into_tensor.default, "all_gather", mesh.names[a], xf, nbytes, n, mesh.group_names[a])
+    rest = [e.size(xf, i, lshape[perm[i]]) for i in range(1, ndim)]
+    ld = e.size(xf, 0, lshape[p.dim])
+    if p.outer > 1:
+        m = e.arith(operator.floordiv, ld, p.outer)
+        g = e.op(aten.view.default, g, [n, p.outer, m] + rest)
+        g = e.contiguous(e.op(aten.permute.default, g, [1, 0, 2] + list(range(3, 3 + len(rest)))))
+        g = e.op(aten.view.default, g, [e.arith(operator.mul, ld, n)] + rest)
+    return e.op(aten.permute.default, g, _inverse(perm)) if p.dim != 0 else g
+
+
+def _rs_front(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, n: int, contiguous: bool
+              ) -> tuple[fx.Node, list[int]]:
+    """Permute ``x`` so dim 0 holds rank-major chunks of the (strided) split dim."""
+    ndim = len(lshape)
+    xf, perm = _to_front(e, x, p.dim, ndim, contiguous)
+    if p.outer > 1:
+        rest = [e.size(xf, i, lshape[perm[i]]) for i in range(1, ndim)]
+        ld = e.size(xf, 0, lshape[p.dim])
+        m = e.arith(operator.floordiv, ld, p.outer * n)
+        xf = e.op(aten.view.default, xf, [p.outer, n, m] + rest)
+        xf = e.contiguous(e.op(aten.permute.default, xf, [1, 0, 2] + list(range(3, 3 + len(rest)))))
+        xf = e.op(aten.view.default, xf, [ld] + rest)
+    return xf, perm
+
+
+def reduce_scatter(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo, itemsize: int,
+                   contiguous: bool) -> fx.Node:
+    n = mesh.sizes[a]
+    nbytes = hint(prod(lshape)) * itemsize
+    xf, perm = _rs_front(e, x, lshape, p, n, contiguous)
+    r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, nbytes, "sum", n,
+               mesh.group_names[a])
+    return e.op(aten.permute.default, r, _inverse(perm)) if p.dim != 0 else r
+
+
+def all_reduce(e: Emitter, x: fx.Node, lshape: Sequence[Dim], op: str, a: int, mesh: MeshInfo, itemsize: int,
+               contiguous: bool) -> fx.Node:
+    nbytes = hint(prod(lshape)) * itemsize
+    src = x if contiguous else e.contiguous(x)
+    return e.comm(c10d.all_reduce.default, "all_reduce", mesh.names[a], src, nbytes, op, mesh.group_names[a])
+
+
+def local_slice(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo) -> fx.Node:
+    n = mesh.sizes[a]
+    c = mesh.coords[a]
+    ld = e.size(x, p.dim, lshape[p.dim])
+    if p.outer == 1:
+        chunk = e.arith(operator.floordiv, ld, n)
+        return e.op(aten.slice.Tensor, x, p.dim, e.arith(operator.mul, chunk, c),
+                    e.arith(operator.mul, chunk, c + 1))
+    dims = [e.size(x, i, s) for i, s in enumerate(lshape)]
+    m = e.arith(operator.floordiv, ld, p.outer * n)
+    v = e.op(aten.view.default, e.contiguous(x), dims[: p.dim] + [p.outer, e.arith(operator.mul, m, n)] + dims[p.dim + 1:])
+    s = e.contiguous(e.op(aten.slice.Tensor, v, p.dim + 1, e.arith(operator.mul, m, c), e.arith(operator.mul, m, c + 1)))
+    return e.op(aten.view.default, s, dims[: p.dim] + [e.arith(operator.mul, m, p.outer)] + dims[p.dim + 1:])
+
+
+def to_partial(e: Emitter, x: fx.Node, p: Part, a: int, mesh: MeshInfo) -> fx.Node:
+    if p.op == "sum" and mesh.coords[a] != 0:
+        return e.op(aten.zeros_like.default, x)
+    return x
+
+
+def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], mesh: MeshInfo) -> fx.Node:
+    """Nodes computing ``x`` (local, laid out per ``spec``) laid out per ``dst``.
+
+    Reductions and gathers go innermost mesh axis first (so a dim split over
+    several axes reassembles in order); local slices and R->Partial follow.
+    """
+    cur = list(spec.placements)
+    itemsize = spec.dtype.itemsize
+    contiguous = True
+    val = x.meta.get("val")
+    if isinstance(val, torch.Tensor) and not x.meta.get(INSERTED_KEY):
+        contiguous = val.is_contiguous()
+    for a in reversed(range(len(cur))):
+        s, d = cur[a], dst[a]
+        if s == d:
+            continue
+        lshape = local_shape(spec.shape, cur, mesh.sizes)
+        if isinstance(s, Part):
+            if isinstance(d, S) and s.op == "sum":
+                x = reduce_scatter(e, x, lshape, d, a, mesh, itemsize, contiguous)
+                cur[a] = d
+                contiguous = True
+                continue
+            x = all_reduce(e, x, lshape, s.op, a, mesh, itemsize, contiguous)
+        elif isinstance(s, S):
+            x = all_gather(e, x, lshape, s, a, mesh, itemsize, contiguous)
+        contiguous = True
+        cur[a] = R
+    for a in range(len(cur)):
+        s, d = cur[a], dst[a]
+        if s == d:
+            continue
+        lshape = local_shape(spec.shape, cur, mesh.sizes)
+        if isinstance(d, S):
+            x = local_slice(e, x, lshape, d, a, mesh)
+        elif isinstance(d, Part):
+            x = to_partial(e, x, d, a, mesh)
+        cur[a] = d
+    return x

@@ -1,0 +1,28 @@
+"""The state passes share: the mesh, seed placements, required output placements, warnings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .mesh import MeshInfo
+from .placements import Pl
+
+__all__ = ["ShardContext"]
+
+
+@dataclass
+class ShardContext:
+    """Inputs to and notes from the pass pipeline.
+
+    ``seeds`` maps placeholder (or constrained node) names to frozen
+    placements; ``out_required[i]`` is the placements output leaf ``i`` must
+    have (None: whatever propagation chose). ``fallbacks`` lists ops computed
+    replicated for lack of a rule.
+    """
+
+    mesh: MeshInfo
+    seeds: dict[str, tuple[Pl, ...]] = field(default_factory=dict)
+    out_required: list[Optional[tuple[Pl, ...]]] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    label: str = "forward"

@@ -1,0 +1,95 @@
+"""Looking inside a sharded module: ``explain`` (a table) and ``comm_stats`` (counts and bytes)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from .collectives import COMM_KEY, INSERTED_KEY
+from .module import Program, ShardedModule
+from .passes.propagate import FALLBACK_KEY, STRATEGY_KEY
+from .spec import META_KEY, Spec
+
+__all__ = ["explain", "comm_stats", "collectives"]
+
+
+def _programs(sm: Any) -> list[Program]:
+    if not hasattr(sm, "_programs"):
+        raise TypeError(f"expected a module returned by fxshard.shard or fxshard.jit, got {type(sm).__name__}")
+    return sm._programs()
+
+
+def collectives(program: Program) -> list[dict]:
+    """Every collective of a program in execution order, with the reason it exists."""
+    return [dict(n.meta[COMM_KEY], node=n.name) for n in program.gm.graph.nodes if COMM_KEY in n.meta]
+
+
+def comm_stats(sm: Any) -> dict[str, dict[str, dict[str, int]]]:
+    """Per call: ``{"forward": {"all_reduce": {"count": n, "bytes": b}, ...}, "backward": {...}}``.
+
+    ``bytes`` adds up, per collective, the larger of its input and output on one rank.
+    """
+    out: dict[str, dict[str, dict[str, int]]] = {"forward": {}, "backward": {}}
+    for prog in _programs(sm):
+        table = out.setdefault(prog.label, {})
+        for c in collectives(prog):
+            row = table.setdefault(c["kind"], {"count": 0, "bytes": 0})
+            row["count"] += 1
+            row["bytes"] += int(c["bytes"])
+    return out
+
+
+def _fmt_shape(shape: Iterable) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+    return [line(header), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
+def _op_name(n: fx.Node) -> str:
+    t = n.target
+    return str(t).replace("aten.", "") if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+def explain(sm: Any) -> str:
+    """A table a person scans: every node's op, global shape, spec and local shape, then every
+    collective with its bytes and reason (consuming op and source line), then fallbacks."""
+    lines: list[str] = []
+    info = sm._info
+    lines.append(f"mesh: " + ", ".join(f"{n}={s}" for n, s in zip(info.names, info.sizes)) + f"  (rank {info.rank})")
+    for prog in _programs(sm):
+        rows = []
+        for n in prog.gm.graph.nodes:
+            if n.meta.get(INSERTED_KEY) or n.op == "output":
+                continue
+            spec = n.meta.get(META_KEY)
+            specs = spec if isinstance(spec, tuple) else (spec,)
+            if not any(isinstance(s, Spec) for s in specs):
+                continue
+            s0 = next(s for s in specs if isinstance(s, Spec))
+            note = []
+            if n.meta.get(FALLBACK_KEY):
+                note.append("FALLBACK (no rule): computed replicated")
+            lows = {st.lowering for st in n.meta.get(STRATEGY_KEY, ()) if st.lowering}
+            note += sorted(lows)
+            op = "input" if n.op == "placeholder" else _op_name(n)
+            rows.append([n.name, op, _fmt_shape(s0.shape), ", ".join(repr(s) for s in specs if s is not None),
+                         _fmt_shape(s0.local_shape(info.sizes)), "; ".join(note)])
+        lines.append("")
+        lines.append(f"== {prog.label} program: {len(rows)} values ==")
+        lines += _table(rows, ["node", "op", "global shape", "spec", "local shape", "note"])
+        comms = collectives(prog)
+        lines.append("")
+        lines.append(f"-- {prog.label} collectives: {len(comms)} --")
+        if comms:
+            crow = [[c["node"], c["kind"], c["axis"], str(c["bytes"]), c["value"], f"{c['src']} -> {c['dst']}",
+                     f"{c['consumer']} ({c['op'].replace('aten.', '')})", c["source"]] for c in comms]
+            lines += _table(crow, ["collective", "kind", "axis", "bytes", "value", "change", "needed by", "source"])
+        if prog.fallbacks:
+            lines.append(f"fallbacks (no sharding rule, computed replicated): {', '.join(sorted(set(prog.fallbacks)))}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""``ShardedModule``: the per-rank nn.Module that ``fxshard.shard`` returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils import _pytree as pytree
+
+from .errors import ShardingError
+from .mesh import MeshInfo
+from .passes.trace import Slot, Traced
+from .placements import Pl, to_torch
+from .symbolic import is_concrete
+
+__all__ = ["ShardedModule", "Program"]
+
+
+@dataclass
+class Program:
+    """One sharded graph with what explain/comm_stats need to describe it."""
+
+    gm: fx.GraphModule
+    label: str
+    fallbacks: list[str] = field(default_factory=list)
+
+
+def _container(root: nn.Module, path: list[str]) -> nn.Module:
+    m = root
+    for part in path:
+        if not hasattr(m, part) or not isinstance(getattr(m, part), nn.Module):
+            m.add_module(part, nn.Module())
+        m = getattr(m, part)
+    return m
+
+
+class ShardedModule(nn.Module):
+    """This rank's part of a sharded model.
+
+    Parameters and buffers are the local shards, registered under the
+    original FQNs (tied parameters are one Parameter under each name).
+    ``forward`` takes this rank's local inputs (laid out per ``in_specs``) and
+    returns local outputs (per ``out_specs``, replicated by default).
+    """
+
+    def __init__(self, traced: Traced, forward: Program, mesh: DeviceMesh, info: MeshInfo,
+                 placements: dict[str, tuple[Pl, ...]], global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        self._traced = traced
+        self._fwd = forward
+        self._mesh = mesh
+        self._info = info
+        self._placements = placements
+        self._global_shapes = global_shapes
+        self._slots = traced.slots
+        self._names: list[list[str]] = [s.names for s in traced.slots]
+        for slot in traced.slots:
+            if slot.kind not in ("param", "buffer"):
+                continue
+            t = tensors[slot.names[0]]
+            for name in slot.names:
+                *path, leaf = name.split(".")
+                owner = _container(self, path)
+                if slot.kind == "param":
+                    owner.register_parameter(leaf, t)
+                else:
+                    owner.register_buffer(leaf, t, persistent=slot.persistent)
+
+    def _programs(self) -> list[Program]:
+        return [self._fwd]
+
+    # ---- running -------------------------------------------------------------------------
+    def _feed(self, args: tuple, kwargs: dict) -> list[Any]:
+        flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if tree != self._traced.in_tree:
+            raise ShardingError(
+                f"inputs have structure {tree} but the module was sharded for {self._traced.in_tree}; "
+                f"call it with the same argument structure as example_inputs"
+            )
+        leaves = [flat[i] for i in self._traced.tensor_leaf_positions]
+        feed: list[Any] = []
+        for slot in self._slots:
+            if slot.kind in ("param", "buffer"):
+                feed.append(self._lookup(slot.names[0]))
+            elif slot.kind == "constant":
+                feed.append(self._traced.constants[slot.names[0]])
+            else:
+                feed.append(leaves[slot.index])
+        return feed
+
+    def _lookup(self, fqn: str) -> torch.Tensor:
+        m: Any = self
+        for part in fqn.split("."):
+            m = getattr(m, part)
+        return m
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        outs = self._fwd.gm(*self._feed(args, kwargs))
+        return pytree.tree_unflatten(list(outs), self._traced.out_tree)
+
+    # ---- state ---------------------------------------------------------------------------
+    def _dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
+        pls = [to_torch(p) for p in self._placements[fqn]]
+        shape = torch.Size(int(s) for s in self._global_shapes[fqn])
+        return DTensor.from_local(local, self._mesh, pls, shape=shape, stride=_contiguous_stride(shape))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under exactly the original ``model.state_dict()`` keys (a collective: call on all ranks)."""
+        out = {}
+        for name, local in self.state_dict(keep_vars=True).items():
+            out[name] = self._dtensor(name, local.detach()).full_tensor()
+        return out
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy each rank's slice of full tensors into the local shards (keys as in ``model.state_dict()``)."""
+        own = self.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        if missing:
+            raise ShardingError(f"load_full_state_dict: missing keys {missing[:5]}; pass the model's full state_dict")
+        with torch.no_grad():
+            for name, local in own.items():
+                full = state_dict[name]
+                if tuple(full.shape) != tuple(int(s) for s in self._global_shapes[name]):
+                    raise ShardingError(
+                        f"load_full_state_dict: {name} has shape {tuple(full.shape)}, expected "
+                        f"{tuple(self._global_shapes[name])}; load a checkpoint of the same model config"
+                    )
+                local.copy_(local_slice(full.to(local.device, local.dtype), self._mesh, self._placements[name]))
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+def local_slice(full: torch.Tensor, mesh: DeviceMesh, pls: tuple[Pl, ...]) -> torch.Tensor:
+    """This rank's piece of a full tensor (no communication)."""
+    return distribute_tensor(full, mesh, [to_torch(p) for p in pls], src_data_rank=None).to_local()

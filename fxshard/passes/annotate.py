@@ -1,0 +1,94 @@
+"""Pass 2, annotate: turn the plan and in/out specs into seed placements.
+
+Requires: a Traced program and placements per planned FQN (``plan.resolve_plan``).
+Ensures: a ShardContext whose seeds hold the placements of every placeholder
+(parameters/buffers from the plan, user inputs from ``in_specs``, everything
+else replicated) and whose ``out_required`` holds one entry per flattened
+output leaf. A split dim that does not divide raises a ShardingError naming
+the tensor, dim, size and axis.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..context import ShardContext
+from ..errors import ShardingError
+from ..mesh import MeshInfo
+from ..placements import Pl, R, S
+from ..plan import is_spec_leaf, to_placements
+from ..symbolic import divides, sym_shape
+from .trace import Traced
+
+__all__ = ["annotate", "spec_leaves", "check_divisible"]
+
+
+def spec_leaves(specs: Any, values: Any, what: str) -> list[Any]:
+    """Broadcast a spec pytree prefix over ``values``; one spec (or None) per pytree leaf of ``values``."""
+    if specs is None or is_spec_leaf(specs):
+        return [specs] * len(pytree.tree_leaves(values))
+    if isinstance(values, (tuple, list)) and isinstance(specs, (tuple, list)):
+        if len(specs) != len(values):
+            raise ShardingError(
+                f"{what}: {len(specs)} specs given for {len(values)} values; give one spec (or None) per value"
+            )
+        return [s for sp, v in zip(specs, values) for s in spec_leaves(sp, v, what)]
+    if isinstance(values, dict) and isinstance(specs, dict):
+        extra = set(specs) - set(values)
+        if extra:
+            raise ShardingError(f"{what}: specs for unknown keys {sorted(extra)}; the keys are {sorted(values)}")
+        return [s for k, v in values.items() for s in spec_leaves(specs.get(k), v, what)]
+    raise ShardingError(
+        f"{what}: spec {specs!r} does not match a value of type {type(values).__name__}; give a spec per tensor "
+        f"(P(...), placements) or a tuple/dict shaped like the values"
+    )
+
+
+def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInfo) -> None:
+    for d, size in enumerate(shape):
+        f = 1
+        axes = []
+        for a, p in enumerate(pls):
+            if isinstance(p, S) and p.dim == d:
+                f *= mesh.sizes[a]
+                axes.append(f"'{mesh.names[a]}' ({mesh.sizes[a]})")
+        if f > 1 and not divides(size, f):
+            raise ShardingError(
+                f"{name} dim {d} (size {size}) is not divisible by mesh axis {' x '.join(axes)}; "
+                f"use a mesh whose split divides {size} or leave dim {d} unsplit"
+            )
+
+
+def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]], args: tuple, kwargs: dict,
+             in_specs: Any, out_required: list[Optional[tuple[Pl, ...]]], label: str = "forward") -> ShardContext:
+    ctx = ShardContext(mesh=mesh, label=label)
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    flat_in = spec_leaves(in_specs, tuple(args), "in_specs") if in_specs is not None else None
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
+    for node, slot in zip(placeholders, traced.slots):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if slot.kind in ("param", "buffer"):
+            chosen = {param_pls[n] for n in slot.names if n in param_pls}
+            if len(chosen) > 1:
+                raise ShardingError(
+                    f"{' and '.join(slot.names)} are one tied tensor but the plan places them differently "
+                    f"({', '.join(map(str, chosen))}); give tied names the same spec"
+                )
+            pls = chosen.pop() if chosen else (R,) * len(mesh.sizes)
+            check_divisible(slot.names[0], sym_shape(val), pls, mesh)
+        elif slot.kind == "input":
+            leaf_pos = traced.tensor_leaf_positions[slot.index]
+            spec = flat_in[leaf_pos] if flat_in is not None and leaf_pos < len(flat_in) else None
+            what = f"in_specs for input {slot.index}"
+            pls = to_placements(spec, mesh, val.dim(), what)
+            check_divisible(f"input {slot.index} (shape {tuple(sym_shape(val))})", sym_shape(val), pls, mesh)
+        else:
+            pls = (R,) * len(mesh.sizes)
+        ctx.seeds[node.name] = pls
+    ctx.out_required = list(out_required)
+    return ctx

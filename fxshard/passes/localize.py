@@ -1,0 +1,167 @@
+"""Pass 5, localize: rewrite a global program into this rank's local program.
+
+Requires: a redistributed graph (every op's inputs arrive as its strategy needs).
+Ensures: shape-carrying arguments (view/reshape/expand sizes, full-range slice
+ends on split dims) hold local sizes; ``sym_size`` of a split dim yields the
+global size again (so symbolic arithmetic in the graph stays global and is
+localized only where it becomes a shape); strategies that need rank-dependent
+code are lowered with this rank's coordinates baked in (masked embedding
+lookups and gathers over a split range, ``mean`` over a split dim); device
+arguments name the runtime device.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..collectives import INSERTED_KEY, Emitter
+from ..context import ShardContext
+from ..errors import ShardingError
+from ..placements import S
+from ..registry import norm_dim, tensor_inputs
+from ..spec import META_KEY, Spec, local_shape, shard_factor
+from ..symbolic import divides, exact_div, is_concrete
+from .propagate import STRATEGY_KEY
+
+aten = torch.ops.aten
+
+__all__ = ["localize", "runtime_device"]
+
+SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+
+
+def runtime_device(ctx: ShardContext) -> torch.device:
+    if ctx.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(ctx.mesh.device_type)
+
+
+def _local_sizes(e: Emitter, sizes: list, spec: Spec, mesh_sizes) -> list:
+    out = []
+    for d, s in enumerate(sizes):
+        f = shard_factor(spec.placements, mesh_sizes, d)
+        if f == 1 or (isinstance(s, int) and s == -1):
+            out.append(s)
+        elif isinstance(s, int):
+            out.append(s // f)
+        else:
+            out.append(e.op(operator.floordiv, s, f))
+    return out
+
+
+def _chunk_start(spec: Spec, dim: int, ctx: ShardContext) -> tuple[int, Any]:
+    """(combined chunk index of this rank along ``dim``, local size of ``dim``)."""
+    idx = 0
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, S) and p.dim == dim:
+            idx = idx * ctx.mesh.sizes[a] + ctx.mesh.coords[a]
+    return idx, local_shape(spec.shape, spec.placements, ctx.mesh.sizes)[dim]
+
+
+def _masked_lookup(g: fx.Graph, node: fx.Node, table: fx.Node, index_pos: int, dim: int, ctx: ShardContext,
+                   out_mask_unsqueeze: bool) -> None:
+    """Lookup of global indices into a table split on ``dim``: shift, mask, look up, zero the misses."""
+    spec = table.meta[META_KEY]
+    c, ld = _chunk_start(spec, dim, ctx)
+    if not is_concrete(ld):
+        raise ShardingError(f"{node.name}: a symbolic split size in a masked lookup is not supported; "
+                            f"give the split table dim a static size")
+    ld = int(ld)
+    e = Emitter(g, node, {})
+    idx = node.args[index_pos]
+    shifted = e.op(aten.sub.Tensor, idx, c * ld)
+    miss = e.op(aten.logical_or.default, e.op(aten.lt.Scalar, shifted, 0), e.op(aten.ge.Scalar, shifted, ld))
+    safe = e.op(aten.masked_fill.Scalar, shifted, miss, 0)
+    args = list(node.args)
+    args[index_pos] = safe
+    node.args = tuple(args)
+    with g.inserting_after(node):
+        mask = miss
+        if out_mask_unsqueeze:
+            mask = g.call_function(aten.unsqueeze.default, (miss, -1))
+            mask.meta[INSERTED_KEY] = True
+        with g.inserting_after(mask if mask is not miss else node):
+            out = g.call_function(aten.masked_fill.Scalar, (node, mask, 0.0))
+    out.meta[INSERTED_KEY] = True
+    for user in list(node.users):
+        if user is not out and user is not mask:
+            user.replace_input_with(node, out)
+    out.meta["val"] = node.meta.get("val")
+    out.meta[META_KEY] = node.meta.get(META_KEY)
+
+
+def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
+    strategies = node.meta.get(STRATEGY_KEY) or ()
+    lowerings = {st.lowering for st in strategies if st.lowering}
+    if not lowerings:
+        return
+    ins = tensor_inputs(node)
+    if "masked_embedding" in lowerings:
+        _masked_lookup(g, node, ins[0], 1, 0, ctx, out_mask_unsqueeze=True)
+    if "masked_gather" in lowerings:
+        dim = norm_dim(node.args[1], len(ins[0].meta[META_KEY].shape))
+        _masked_lookup(g, node, ins[0], 2, dim, ctx, out_mask_unsqueeze=False)
+    if "mean_as_sum" in lowerings:
+        f = 1
+        for a, st in enumerate(strategies):
+            if st.lowering == "mean_as_sum":
+                f *= ctx.mesh.sizes[a]
+        with g.inserting_after(node):
+            out = g.call_function(aten.div.Scalar, (node, f))
+        out.meta[INSERTED_KEY] = True
+        out.meta["val"] = node.meta.get("val")
+        out.meta[META_KEY] = node.meta.get(META_KEY)
+        for user in list(node.users):
+            if user is not out:
+                user.replace_input_with(node, out)
+
+
+def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+    g = gm.graph
+    dev = runtime_device(ctx)
+    sizes = ctx.mesh.sizes
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.meta.get(INSERTED_KEY):
+            continue
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": dev}
+        if node.target is aten.sym_size.int:
+            spec = node.args[0].meta.get(META_KEY)
+            if isinstance(spec, Spec):
+                f = shard_factor(spec.placements, sizes, norm_dim(node.args[1], spec.ndim))
+                if f > 1:
+                    with g.inserting_after(node):
+                        glob = g.call_function(operator.mul, (node, f))
+                    glob.meta[INSERTED_KEY] = True
+                    for user in list(node.users):
+                        if user is not glob:
+                            user.replace_input_with(node, glob)
+            continue
+        spec = node.meta.get(META_KEY)
+        if node.target in SHAPE_ARG_OPS and isinstance(spec, Spec):
+            e = Emitter(g, node, {})
+            args = list(node.args)
+            args[1] = _local_sizes(e, list(args[1]), spec, sizes)
+            node.args = tuple(args)
+        elif node.target is aten.slice.Tensor:
+            _localize_slice(node, sizes)
+        _lower(g, node, ctx)
+    gm.recompile()
+    return gm
+
+
+def _localize_slice(node: fx.Node, sizes) -> None:
+    """A full-range slice of a split dim whose end names the global size ends at the local size."""
+    src = tensor_inputs(node)[0].meta.get(META_KEY)
+    args = list(node.args)
+    if not isinstance(src, Spec) or len(args) < 4:
+        return
+    dim = norm_dim(args[1], src.ndim)
+    f = shard_factor(src.placements, sizes, dim)
+    if f > 1 and isinstance(args[3], int) and is_concrete(src.shape[dim]) and args[3] == int(src.shape[dim]):
+        args[3] = args[3] // f
+        node.args = tuple(args)

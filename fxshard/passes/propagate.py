@@ -1,0 +1,193 @@
+"""Pass 3, propagate: give every tensor-valued node a Spec.
+
+Requires: a traced graph (``meta["val"]`` on every node) and a context whose
+seeds hold the frozen placements of placeholders.
+Ensures: ``meta[META_KEY]`` on every tensor node (a tuple of Specs for
+multi-output ops), ``meta[IN_KEY]`` on every op and on the output node: the
+placements each tensor input must have, and ``meta[STRATEGY_KEY]``: the
+per-axis Strategy chosen. Seeds are never changed. Among the strategies an
+op's rule admits, each mesh axis takes the one with the least redistribution
+cost (bytes moved), counting a redistribution another consumer already paid
+for as free, so a value is all-reduced once however many ops read it.
+Ops without a rule fall back to all-replicated with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+from torch.utils import _pytree as pytree
+
+from ..context import ShardContext
+from ..cost import transition_cost
+from ..errors import ShardingError
+from ..placements import Pl, R, S
+from ..registry import OpCall, Strategy, lookup, out_shape_of, replicate_all, tensor_inputs
+from ..spec import META_KEY, Spec, shard_factor
+from ..symbolic import divides, sym_shape
+
+__all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
+
+IN_KEY = "fxshard_in"
+STRATEGY_KEY = "fxshard_strategy"
+FALLBACK_KEY = "fxshard_fallback"
+_WARNED: set[str] = set()
+
+
+def spec_of(node: fx.Node) -> Optional[Spec]:
+    s = node.meta.get(META_KEY)
+    return s if isinstance(s, Spec) else None
+
+
+def _nbytes(val: torch.Tensor) -> float:
+    n = 1
+    for s in val.shape:
+        n *= optimization_hint(s, fallback=64)
+    return float(n * val.dtype.itemsize)
+
+
+def _divisible(shape: Sequence, pls: Sequence[Pl], sizes: Sequence[int]) -> bool:
+    for d, size in enumerate(shape):
+        f = shard_factor(pls, sizes, d)
+        if f > 1 and not divides(size, f):
+            return False
+    return True
+
+
+def _pad(pls: Sequence[Pl], k: int) -> tuple[Pl, ...]:
+    return tuple(pls) + (R,) * (k - len(pls))
+
+
+def _warn_fallback(ctx: ShardContext, node: fx.Node) -> None:
+    name = str(node.target)
+    ctx.fallbacks.append(name)
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(
+            f"fxshard: no sharding rule for {name}; computing it on replicated inputs (all-gathered first). "
+            f"The result is correct but costs communication and memory; see fxshard.explain() for where it runs.",
+            stacklevel=3,
+        )
+
+
+def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+    mesh = ctx.mesh
+    sizes = mesh.sizes
+    k = len(sizes)
+    avail: dict[tuple[str, int], set] = {}
+
+    def cost_of(inp: fx.Node, cur: Pl, dst: Pl, axis: int) -> float:
+        if cur == dst or dst in avail.get((inp.name, axis), ()):
+            return 0.0
+        return transition_cost(cur, dst, _nbytes(inp.meta["val"]), sizes[axis])
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            if isinstance(val, torch.Tensor):
+                pls = ctx.seeds.get(node.name, (R,) * k)
+                spec = Spec(tuple(pls), sym_shape(val), val.dtype)
+                if not _divisible(spec.shape, spec.placements, sizes):
+                    raise ShardingError(
+                        f"{node.name} of shape {tuple(spec.shape)} cannot be split as {spec} over mesh axes "
+                        f"{dict(zip(mesh.names, sizes))}: a split dim is not divisible; choose a spec whose split "
+                        f"dims divide evenly"
+                    )
+                node.meta[META_KEY] = spec
+            continue
+        if node.op == "output":
+            _require_outputs(node, ctx, avail)
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            base = node.args[0].meta.get(META_KEY)
+            if isinstance(base, tuple):
+                node.meta[META_KEY] = base[node.args[1]]
+            continue
+        out_shape = out_shape_of(node)
+        if out_shape is None or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        ins = tensor_inputs(node)
+        in_specs = [n.meta[META_KEY] for n in ins]
+        rule = lookup(node.target)
+        if rule is None:
+            _warn_fallback(ctx, node)
+            node.meta[FALLBACK_KEY] = True
+        chosen: list[Strategy] = []
+        for a in range(k):
+            call = OpCall(node, [s.shape for s in in_specs], [s.placements[a] for s in in_specs], out_shape,
+                          [s.dtype for s in in_specs])
+            cands = rule(call, sizes[a]) if rule is not None else [replicate_all(call)]
+            best, best_cost = None, float("inf")
+            for st in cands:
+                if not _valid(st, chosen, in_specs, out_shape, sizes, k):
+                    continue
+                c = sum(cost_of(i, s.placements[a], p, a) for i, s, p in zip(ins, in_specs, st.inputs))
+                if c < best_cost:
+                    best, best_cost = st, c
+            if best is None:
+                best = replicate_all(call)
+            chosen.append(best)
+        for a, st in enumerate(chosen):
+            for i, s, p in zip(ins, in_specs, st.inputs):
+                if p != s.placements[a]:
+                    avail.setdefault((i.name, a), set()).add(p)
+        node.meta[STRATEGY_KEY] = tuple(chosen)
+        node.meta[IN_KEY] = [tuple(st.inputs[i] for st in chosen) for i in range(len(ins))]
+        node.meta[META_KEY] = _out_specs(node, chosen, out_shape)
+    return gm
+
+
+def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int) -> bool:
+    a = len(chosen)
+    for i, s in enumerate(in_specs):
+        pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
+        if not _divisible(s.shape, pls, sizes):
+            return False
+    outs = st.output if isinstance(st.output, tuple) else (st.output,)
+    shapes = out_shape if isinstance(st.output, tuple) else (out_shape,)
+    for j, (o, shp) in enumerate(zip(outs, shapes)):
+        if o is None or shp is None:
+            continue
+        prev = [(c.output[j] if isinstance(c.output, tuple) else c.output) for c in chosen]
+        if not _divisible(shp, _pad(prev + [o], k), sizes):
+            return False
+    return True
+
+
+def _out_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        return Spec(tuple(st.output for st in chosen), out_shape, val.dtype)
+    specs = []
+    for j, v in enumerate(val):
+        if not isinstance(v, torch.Tensor):
+            specs.append(None)
+            continue
+        pls = tuple((st.output[j] if isinstance(st.output, tuple) else st.output) or R for st in chosen)
+        specs.append(Spec(pls, sym_shape(v), v.dtype))
+    return tuple(specs)
+
+
+def _require_outputs(node: fx.Node, ctx: ShardContext, avail) -> None:
+    leaves = pytree.tree_leaves(node.args[0])
+    req = []
+    j = 0
+    for leaf in leaves:
+        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
+            want = ctx.out_required[j] if j < len(ctx.out_required) else None
+            cur = leaf.meta[META_KEY]
+            if want is not None and not _divisible(cur.shape, want, ctx.mesh.sizes):
+                raise ShardingError(
+                    f"output {j} of shape {tuple(cur.shape)} cannot be returned as {want}: a split dim is not "
+                    f"divisible by its mesh axis; use out_specs that divide evenly (or Replicate())"
+                )
+            req.append(tuple(want) if want is not None else cur.placements)
+        j += 1 if leaf is not None else 1
+    node.meta[IN_KEY] = req

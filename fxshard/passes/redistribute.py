@@ -1,0 +1,84 @@
+"""Pass 4, redistribute: insert the collectives the chosen placements need.
+
+Requires: a propagated graph (``META_KEY`` on values, ``IN_KEY`` on consumers).
+Ensures: every op's tensor inputs arrive in the placements its strategy
+requires. Each value is redistributed to a given placement once, right before
+its first consumer that needs it (the wait directly precedes that use), and
+shared by later consumers. Every collective node carries ``COMM_KEY``: kind,
+mesh axis, bytes, and why it exists (consuming op and its source line).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..collectives import Emitter, redistribute_nodes
+from ..context import ShardContext
+from ..registry import tensor_inputs
+from ..spec import META_KEY, fmt_placements
+from .propagate import IN_KEY
+from .trace import source_line
+
+__all__ = ["redistribute"]
+
+
+def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+    g = gm.graph
+    done: dict[tuple[str, tuple], fx.Node] = {}
+    for node in list(g.nodes):
+        req = node.meta.get(IN_KEY)
+        if req is None:
+            continue
+        ins = tensor_inputs(node)
+        remap: dict[fx.Node, list] = {}
+        for i, (inp, want) in enumerate(zip(ins, req)):
+            spec = inp.meta[META_KEY]
+            if tuple(want) == spec.placements:
+                continue
+            key = (inp.name, tuple(want))
+            if key not in done:
+                reason = {
+                    "consumer": node.name,
+                    "op": "output" if node.op == "output" else str(node.target),
+                    "source": "" if node.op == "output" else source_line(node),
+                    "value": inp.name,
+                    "src": fmt_placements(spec.placements),
+                    "dst": fmt_placements(want),
+                    "graph": ctx.label,
+                }
+                new = redistribute_nodes(Emitter(g, node, reason), inp, spec, want, ctx.mesh)
+                if new is not inp:  # the value's global meaning is unchanged; only its layout is
+                    new.meta["val"] = inp.meta["val"]
+                    new.meta[META_KEY] = spec.with_placements(want)
+                done[key] = new
+            if done[key] is inp:
+                continue
+            remap.setdefault(inp, []).append((i, done[key]))
+        if remap:
+            _replace_inputs(node, ins, remap)
+    gm.recompile()
+    return gm
+
+
+def _replace_inputs(node: fx.Node, ins: list, remap: dict) -> None:
+    """Swap tensor input occurrences by position (the same node may appear twice with different needs)."""
+    counter = iter(range(len(ins)))
+    targets = {}
+    for inp, pairs in remap.items():
+        for i, new in pairs:
+            targets[i] = new
+
+    def sub(a):
+        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
+            i = next(counter)
+            return targets.get(i, a)
+        return a
+
+    from torch.utils import _pytree as pytree
+
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    flat = [sub(a) for a in flat]
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    node.args = args
+    node.kwargs = kwargs

@@ -1,0 +1,202 @@
+"""Pass 1, trace: model + example inputs -> core-ATen fx graph with global shapes.
+
+Requires: an nn.Module whose forward is traceable by ``torch.export``
+(non-strict) with the example inputs; parameters may live on the meta device.
+Ensures: a GraphModule whose placeholders are, in order, one per unique
+parameter/buffer tensor (tied parameters are one placeholder), lifted
+constants, then the flattened tensor leaves of ``(args, kwargs)``; every node
+carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
+``_softmax``/``_log_softmax`` are decomposed so a split softmax dim becomes
+Partial reductions; shape assertions are dropped (they refer to global sizes).
+No real weight is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch._decomp import decompositions as _decomps
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from ..errors import ShardingError
+
+aten = torch.ops.aten
+
+__all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table"]
+
+
+@dataclass
+class Slot:
+    """One placeholder of the traced graph: what feeds it at run time."""
+
+    kind: str  # "param" | "buffer" | "constant" | "input"
+    names: list[str]  # FQNs for params/buffers (all aliases of a tied tensor), [] for inputs
+    index: int = -1  # position among the flattened user-input tensor leaves
+    persistent: bool = True
+    requires_grad: bool = False
+
+
+@dataclass
+class Traced:
+    """The traced global program and how to feed it."""
+
+    gm: fx.GraphModule
+    slots: list[Slot]
+    in_tree: Any  # pytree spec of (args, kwargs)
+    out_tree: Any
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)
+    n_user_leaves: int = 0
+    tensor_leaf_positions: list[int] = field(default_factory=list)
+
+
+DROP = {
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+    aten._assert_async.msg,
+}
+
+
+def decomposition_table() -> Any:
+    """torch.export's core-ATen table plus softmax decompositions (loss parallel needs them)."""
+    table = torch.export.default_decompositions()
+    table[aten._softmax.default] = _decomps._softmax
+    table[aten._log_softmax.default] = _decomps._log_softmax
+    return table
+
+
+def _cse(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge identical pure nodes (export repeats views per consumer), keeping node metadata."""
+    from torch.fx.passes.dialect.common.cse_pass import CSEPass
+
+    res = CSEPass()(gm)
+    out = res.graph_module if res.modified else gm
+    out.recompile()
+    return out
+
+
+def source_line(node: fx.Node) -> str:
+    """``file:line code`` of the innermost user frame that produced ``node`` (not torch's)."""
+    st = node.meta.get("stack_trace") or ""
+    lines = [l.strip() for l in st.strip().splitlines()]
+    best = ""
+    for i, l in enumerate(lines):
+        if l.startswith("File ") and f"{os.sep}torch{os.sep}" not in l:
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+            parts = l.split('"')
+            fname = os.path.basename(parts[1]) if len(parts) > 1 else l
+            lineno = l.split("line ")[1].split(",")[0] if "line " in l else "?"
+            best = f"{fname}:{lineno} {code}".strip()
+    return best
+
+
+def _user_frame(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if f"{os.sep}torch{os.sep}" not in fr.filename and f"{os.sep}fxshard{os.sep}" not in fr.filename:
+            return f"{fr.filename}:{fr.lineno} ({fr.line})"
+    return "unknown location"
+
+
+def _to_meta_like(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor) and x.device != device:
+        return x.to(device)
+    return x
+
+
+def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None) -> Traced:
+    """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
+    params = list(model.parameters())
+    if params and params[0].device.type == "meta":
+        dev = torch.device("meta")
+        args = pytree.tree_map(lambda x: _to_meta_like(x, dev), args)
+        kwargs = pytree.tree_map(lambda x: _to_meta_like(x, dev), kwargs)
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
+        ep = ep.run_decompositions(decomposition_table())
+    except ShardingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ShardingError(
+            f"could not trace {type(model).__name__} with torch.export (non-strict): {type(e).__name__}: {msg} "
+            f"[at {_user_frame(e)}]; make forward traceable (no data-dependent Python control flow, "
+            f"no .item()/.tolist() on tensors) or pass example_inputs matching forward's signature"
+        ) from e
+
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    by_id: dict[int, list[str]] = {}
+    tensor_of: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+        tensor_of[name] = p
+    for name, b in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), []).append(name)
+        tensor_of[name] = b
+    non_persistent = set(sig.non_persistent_buffers) if hasattr(sig, "non_persistent_buffers") else set()
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    slots: list[Slot] = []
+    first_of: dict[int, fx.Node] = {}
+    keep: list[fx.Node] = []
+    user_i = 0
+    for node, spec in zip(placeholders, sig.input_specs):
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            t = tensor_of[spec.target]
+            if id(t) in first_of:  # tied: reuse the first placeholder of the same tensor
+                node.replace_all_uses_with(first_of[id(t)])
+                gm.graph.erase_node(node)
+                continue
+            first_of[id(t)] = node
+            kind = "param" if spec.kind == InputKind.PARAMETER else "buffer"
+            slots.append(
+                Slot(kind, list(by_id[id(t)]), persistent=spec.target not in non_persistent,
+                     requires_grad=bool(getattr(t, "requires_grad", False)) and kind == "param")
+            )
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            slots.append(Slot("constant", [spec.target]))
+        elif spec.kind == InputKind.USER_INPUT:
+            slots.append(Slot("input", [], index=user_i))
+            user_i += 1
+        else:
+            raise ShardingError(f"unsupported exported input kind {spec.kind} for {node.name}")
+        keep.append(node)
+
+    for out_spec in sig.output_specs:
+        if out_spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+            raise ShardingError(
+                f"forward mutates {out_spec.target!r} ({out_spec.kind.name}); in-place updates of buffers or "
+                f"inputs are not supported yet: compute the new value and return it instead"
+            )
+
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in DROP:
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm = _cse(gm)
+
+    flat, in_tree = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    if len(positions) != user_i:
+        raise ShardingError(
+            f"the exported program takes {user_i} tensor inputs but the example inputs hold {len(positions)} tensors; "
+            f"pass tensors for every tensor argument of forward"
+        )
+    return Traced(
+        gm=gm,
+        slots=slots,
+        in_tree=in_tree,
+        out_tree=ep.call_spec.out_spec,
+        constants=dict(ep.constants),
+        n_user_leaves=len(flat),
+        tensor_leaf_positions=positions,
+    )

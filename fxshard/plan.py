@@ -1,0 +1,168 @@
+"""Plans: FQN globs mapped to PartitionSpecs, placements or ParallelStyles.
+
+``resolve_plan`` turns a user plan into per-parameter/buffer placements,
+checking every entry before any tracing work: a glob that matches nothing, an
+unknown mesh axis, a spec longer than the tensor's rank, a shard dim out of
+range, a style on a module it does not support, and conflicting entries are
+all ShardingErrors naming the entry.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Mapping, Optional, Sequence
+
+import torch.nn as nn
+from torch.distributed.tensor import Placement
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from .errors import ShardingError
+from .mesh import MeshInfo
+from .placements import P, Part, Pl, R, Replicated, S, from_torch
+
+__all__ = ["resolve_plan", "to_placements", "is_spec_leaf", "style_axis"]
+
+
+def is_spec_leaf(x: Any) -> bool:
+    """True for anything that describes one tensor's layout (P, a placement, a tuple of placements)."""
+    if isinstance(x, (P, Placement, Replicated, S, Part)):
+        return True
+    return isinstance(x, (tuple, list)) and len(x) > 0 and all(isinstance(p, (Placement, Replicated, S, Part)) for p in x)
+
+
+def to_placements(spec: Any, mesh: MeshInfo, ndim: int, what: str) -> tuple[Pl, ...]:
+    """Per-mesh-axis placements for one tensor of rank ``ndim`` described by ``spec``.
+
+    Accepts None (replicated), a ``P(...)``, one placement (1-D meshes), or one
+    placement per mesh axis. ``what`` names the tensor/entry in errors.
+    """
+    k = len(mesh.sizes)
+    if spec is None:
+        return (R,) * k
+    if isinstance(spec, P):
+        return spec.to_placements(mesh.names, ndim, what)
+    if isinstance(spec, (Placement, Replicated, S, Part)):
+        if k != 1:
+            raise ShardingError(
+                f"{what}: a single placement {spec!r} is ambiguous on the {k}-D mesh {mesh.names}; give one "
+                f"placement per mesh axis, e.g. (Replicate(), Shard(0)), or a P(...) naming the axes"
+            )
+        spec = (spec,)
+    if isinstance(spec, (tuple, list)):
+        if len(spec) != k:
+            raise ShardingError(
+                f"{what}: {len(spec)} placements given for a mesh with {k} axes {mesh.names}; give exactly one "
+                f"placement per mesh axis"
+            )
+        out = []
+        for p in spec:
+            q = from_torch(p, ndim)
+            if isinstance(q, S) and not 0 <= q.dim < ndim:
+                raise ShardingError(
+                    f"{what}: {p!r} names dim {getattr(p, 'dim', q.dim)} but the tensor has {ndim} dims; "
+                    f"use a dim in [-{ndim}, {ndim - 1}]"
+                )
+            out.append(q)
+        return tuple(out)
+    raise ShardingError(
+        f"{what}: {spec!r} is not a sharding spec; use P('tp', None), Shard(0), Replicate() or a ParallelStyle"
+    )
+
+
+def style_axis(style: Any, mesh: MeshInfo, key: str) -> int:
+    """The mesh axis a ParallelStyle acts on: its ``mesh_axis`` if set, else ``tp``, else the only axis."""
+    name = getattr(style, "mesh_axis", None)
+    if name is not None:
+        if name not in mesh.names:
+            raise ShardingError(f"plan entry {key!r}: mesh axis {name!r} is not one of {mesh.names}")
+        return mesh.names.index(name)
+    if "tp" in mesh.names:
+        return mesh.names.index("tp")
+    if len(mesh.names) == 1:
+        return 0
+    raise ShardingError(
+        f"plan entry {key!r}: {type(style).__name__} acts on the mesh axis named 'tp', but the mesh axes are "
+        f"{mesh.names}; name one axis 'tp' or give the style mesh_axis=..."
+    )
+
+
+def _style_param_dims(style: Any, module: nn.Module, key: str, fqn: str) -> dict[str, Optional[int]]:
+    """Which dim of each parameter of ``module`` a Colwise/Rowwise style splits (None: replicated)."""
+    col = isinstance(style, ColwiseParallel)
+    if isinstance(module, nn.Linear):
+        return {"weight": 0, "bias": 0} if col else {"weight": 1, "bias": None}
+    if isinstance(module, nn.Embedding):
+        return {"weight": 1} if col else {"weight": 0}
+    raise ShardingError(
+        f"plan entry {key!r}: {type(style).__name__} supports nn.Linear and nn.Embedding, but {fqn!r} is "
+        f"{type(module).__name__}; shard its parameters with P(...) specs instead"
+    )
+
+
+def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: MeshInfo) -> dict[str, tuple[Pl, ...]]:
+    """FQN of each planned parameter/buffer -> its placements (see module doc)."""
+    if plan is None:
+        return {}
+    if not isinstance(plan, Mapping):
+        raise ShardingError(
+            f"plan must be a dict of FQN globs to specs or styles, got {type(plan).__name__}; "
+            f"e.g. {{'net1': ColwiseParallel(), 'head.weight': P('tp', None)}}"
+        )
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out: dict[str, tuple[Pl, ...]] = {}
+    origin: dict[str, str] = {}
+
+    def assign(fqn: str, pls: tuple[Pl, ...], key: str) -> None:
+        if fqn in out and out[fqn] != pls:
+            raise ShardingError(
+                f"plan entries {origin[fqn]!r} and {key!r} both place {fqn!r}, differently ({out[fqn]} vs {pls}); "
+                f"make the globs disjoint"
+            )
+        out[fqn] = pls
+        origin[fqn] = key
+
+    for key, spec in plan.items():
+        if not isinstance(key, str):
+            raise ShardingError(f"plan key {key!r} is not a string; keys are FQN globs like 'layers.*.wq'")
+        if isinstance(spec, ParallelStyle) or hasattr(spec, "_fxshard_style"):
+            hits = [m for m in modules if m and fnmatch.fnmatchcase(m, key)]
+            if not hits:
+                raise ShardingError(
+                    f"plan entry {key!r} ({type(spec).__name__}) matches no submodule of {type(model).__name__}; "
+                    f"module names look like {_examples(modules)}"
+                )
+            if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
+                raise ShardingError(
+                    f"plan entry {key!r}: {type(spec).__name__} is not supported yet; use ColwiseParallel, "
+                    f"RowwiseParallel or P(...) specs on parameters"
+                )
+            axis = style_axis(spec, mesh, key)
+            for fqn in hits:
+                for pname, dim in _style_param_dims(spec, modules[fqn], key, fqn).items():
+                    t = getattr(modules[fqn], pname, None)
+                    if t is None:
+                        continue
+                    pls = [R] * len(mesh.sizes)
+                    if dim is not None:
+                        pls[axis] = S(dim)
+                    assign(f"{fqn}.{pname}", tuple(pls), key)
+            continue
+        hits = [t for t in tensors if fnmatch.fnmatchcase(t, key)]
+        if not hits:
+            hint = ""
+            if any(fnmatch.fnmatchcase(m, key) for m in modules if m):
+                hint = f" (it names a module: use '{key}.weight' for its weight, or a ParallelStyle)"
+            raise ShardingError(
+                f"plan entry {key!r} matches no parameter or buffer of {type(model).__name__}{hint}; "
+                f"names look like {_examples(tensors)}"
+            )
+        for fqn in hits:
+            assign(fqn, to_placements(spec, mesh, tensors[fqn].dim(), f"plan entry {key!r} ({fqn})"), key)
+    return out
+
+
+def _examples(names: Mapping[str, Any]) -> str:
+    shown = [n for n in names if n][:4]
+    return ", ".join(repr(n) for n in shown) + (", ..." if len(names) > 4 else "")

@@ -1,0 +1,143 @@
+"""The op-rule registry: one sharding rule per ATen OpOverload.
+
+A rule describes one mesh axis of size ``n``. It receives an :class:`OpCall`
+(the node, the global shapes of its tensor inputs and outputs, and the
+placements those inputs currently have on this axis) and returns the
+:class:`Strategy` list that computes the op correctly, each naming the
+placement every tensor input must have and the placement(s) of the output.
+The propagation engine picks the cheapest strategy per axis, which extends
+every rule to N-D meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from .errors import ShardingError
+from .placements import Pl, R
+from .symbolic import Dim, sym_shape
+
+__all__ = ["Strategy", "OpCall", "Rule", "register", "lookup", "tensor_inputs", "registered_ops"]
+
+OutPl = Union[Pl, tuple[Optional[Pl], ...], None]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to compute an op on one mesh axis.
+
+    ``inputs[i]`` is the placement tensor input ``i`` must have; ``output`` is
+    the placement of the result (a tuple for multi-output ops). ``lowering``
+    names a rank-dependent local rewrite the localize pass must apply (e.g.
+    a masked embedding lookup for a vocab-sharded table).
+    """
+
+    inputs: tuple[Pl, ...]
+    output: OutPl
+    lowering: Optional[str] = None
+
+
+@dataclass
+class OpCall:
+    """What a rule may look at: the node, input/output shapes and current input placements."""
+
+    node: fx.Node
+    in_shapes: list[tuple[Dim, ...]]
+    in_pls: list[Pl]
+    out_shape: Any  # tuple[Dim, ...] or a tuple of those for multi-output ops
+    in_dtypes: list[torch.dtype] = field(default_factory=list)
+
+    @property
+    def args(self) -> tuple:
+        return self.node.args
+
+    @property
+    def kwargs(self) -> dict:
+        return self.node.kwargs
+
+    def arg(self, i: int, name: str, default: Any = None) -> Any:
+        if len(self.node.args) > i:
+            return self.node.args[i]
+        return self.node.kwargs.get(name, default)
+
+
+Rule = Callable[[OpCall, int], list[Strategy]]
+
+_RULES: dict[Any, Rule] = {}
+
+
+def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None):
+    """Register ``rule`` for each OpOverload in ``ops`` (usable as a decorator).
+
+    Raises ShardingError when an op already has a rule: one op, one rule.
+    """
+    ops_list = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
+
+    def deco(fn: Rule) -> Rule:
+        for op in ops_list:
+            if op in _RULES:
+                raise ShardingError(
+                    f"{op} already has a sharding rule ({_RULES[op].__module__}.{_RULES[op].__name__}); "
+                    f"an op may be registered once: extend the existing rule instead"
+                )
+            _RULES[op] = fn
+        return fn
+
+    return deco(rule) if rule is not None else deco
+
+
+def lookup(op: Any) -> Optional[Rule]:
+    """The rule for an OpOverload, or None (the caller falls back to replication)."""
+    return _RULES.get(op)
+
+
+def registered_ops() -> list[Any]:
+    return list(_RULES)
+
+
+def is_tensor_node(a: Any) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor arguments in pytree order of ``(args, kwargs)`` (repeats kept)."""
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return [a for a in flat if is_tensor_node(a)]
+
+
+def out_shape_of(node: fx.Node) -> Any:
+    v = node.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return sym_shape(v)
+    if isinstance(v, (tuple, list)):
+        return tuple(sym_shape(x) if isinstance(x, torch.Tensor) else None for x in v)
+    return None
+
+
+def replicate_all(call: OpCall) -> Strategy:
+    """The always-correct strategy: every input and output replicated."""
+    out = call.out_shape
+    if isinstance(out, tuple) and out and (out[0] is None or isinstance(out[0], tuple)):
+        return Strategy(tuple(R for _ in call.in_shapes), tuple(R if o is not None else None for o in out))
+    return Strategy(tuple(R for _ in call.in_shapes), R)
+
+
+def all_r(k: int) -> tuple[Pl, ...]:
+    return tuple(R for _ in range(k))
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def norm_dims(ds: Optional[Sequence[int]], ndim: int) -> list[int]:
+    if ds is None:
+        return list(range(ndim))
+    if isinstance(ds, int):
+        ds = [ds]
+    return sorted({norm_dim(d, max(ndim, 1)) for d in ds}) if ds else list(range(ndim))

@@ -1,0 +1,129 @@
+"""Elementwise ops with broadcasting, as one table.
+
+Each op has a kind that says which Partial states it preserves:
+
+* ``copy``     the value passes through unchanged: any Partial is kept;
+* ``linear``   sums of terms map to sums of results (add, sub, neg, ...): ``P(sum)`` kept when every
+  tensor input is ``P(sum)``;
+* ``mul``      linear in each tensor argument separately: one ``P(sum)`` input, the rest replicated;
+* ``div``      linear in the numerator only;
+* ``where``    linear in the two value arguments with a non-partial condition;
+* ``nonlinear`` only split or replicated inputs.
+
+Every kind also admits all-replicated and every split along an output dim
+that all non-broadcast inputs share.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..placements import Part, Pl, R, S
+from ..registry import OpCall, Strategy, all_r, register
+from ..symbolic import Dim, divides, equal
+
+aten = torch.ops.aten
+
+COPY = ("clone", "alias", "_to_copy", "detach", "lift_fresh_copy", "contiguous")
+LINEAR = ("add.Tensor", "sub.Tensor", "neg", "mul.Scalar", "div.Scalar", "where.self")
+MUL = ("mul.Tensor",)
+DIV = ("div.Tensor",)
+NONLINEAR = (
+    "add.Scalar sub.Scalar rsub.Scalar rsub.Tensor pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar rsqrt sqrt exp "
+    "exp2 expm1 log log1p log2 sigmoid tanh relu gelu silu sin cos abs sign reciprocal erf erfinv "
+    "maximum minimum clamp.default clamp.Tensor clamp_min.default clamp_max.default eq.Scalar eq.Tensor ne.Scalar "
+    "ne.Tensor lt.Scalar lt.Tensor le.Scalar le.Tensor gt.Scalar gt.Tensor ge.Scalar ge.Tensor logical_and "
+    "logical_or logical_not logical_xor bitwise_and.Tensor bitwise_or.Tensor bitwise_not bitwise_xor.Tensor "
+    "isnan isinf floor ceil round.default trunc fmod.Scalar fmod.Tensor remainder.Scalar remainder.Tensor "
+    "floor_divide.default atan2.default hardtanh leaky_relu elu mish hardsigmoid hardswish softplus "
+    "masked_fill.Scalar masked_fill.Tensor"
+).split()
+
+
+def _overloads(names: Iterable[str]) -> list:
+    ops = []
+    for name in names:
+        base, _, ov = name.partition(".")
+        packet = getattr(aten, base)
+        ops.append(getattr(packet, ov or "default"))
+    return ops
+
+
+def dim_map(in_shape: Sequence[Dim], out_shape: Sequence[Dim]) -> list[Optional[int]]:
+    """For each output dim, the input dim it reads (None where the input broadcasts)."""
+    off = len(out_shape) - len(in_shape)
+    res: list[Optional[int]] = []
+    for d in range(len(out_shape)):
+        j = d - off
+        if j < 0 or (equal(in_shape[j], 1) and not equal(out_shape[d], 1)):
+            res.append(None)
+        else:
+            res.append(j)
+    return res
+
+
+def _outers_for(call: OpCall, maps: list[list[Optional[int]]], d: int) -> set[int]:
+    outers = {1}
+    for m, p in zip(maps, call.in_pls):
+        if isinstance(p, S) and p.outer > 1 and m[d] == p.dim:
+            outers.add(p.outer)
+    return outers
+
+
+def split_strategies(call: OpCall, n: int, out_shape: Sequence[Dim], in_idx: Sequence[int]) -> list[Strategy]:
+    """Strategies splitting one output dim, for inputs ``in_idx`` broadcasting to ``out_shape``.
+
+    Inputs not in ``in_idx`` are replicated (e.g. a condition mask handled by the caller).
+    """
+    maps = {i: dim_map(call.in_shapes[i], out_shape) for i in in_idx}
+    res = []
+    for d, size in enumerate(out_shape):
+        for o in sorted(_outers_for(call, list(maps.values()), d)):
+            if not divides(size, o * n):
+                continue
+            ins: list[Pl] = [R] * len(call.in_shapes)
+            for i in in_idx:
+                j = maps[i][d]
+                ins[i] = S(j, o) if j is not None else R
+            res.append(Strategy(tuple(ins), S(d, o)))
+    return res
+
+
+def broadcast_placement(out_pl: Pl, in_shape: Sequence[Dim], out_shape: Sequence[Dim]) -> Pl:
+    """The placement an input broadcasting into an output with ``out_pl`` must have."""
+    if isinstance(out_pl, S):
+        j = dim_map(in_shape, out_shape)[out_pl.dim]
+        return S(j, out_pl.outer) if j is not None else R
+    return out_pl
+
+
+def pointwise_rule(kind: str):
+    def rule(call: OpCall, n: int) -> list[Strategy]:
+        k = len(call.in_shapes)
+        out_shape = call.out_shape
+        strategies = [Strategy(all_r(k), R)]
+        strategies += split_strategies(call, n, out_shape, range(k))
+        if kind == "copy":
+            for op in ("sum", "max", "min"):
+                strategies.append(Strategy(tuple(Part(op) for _ in range(k)), Part(op)))
+        elif kind == "linear" and k:
+            if call.node.target is aten.where.self:
+                strategies.append(Strategy((R,) + (Part(),) * (k - 1), Part()))
+            elif k == 2 or call.node.target not in (aten.add.Tensor, aten.sub.Tensor):
+                # a lone tensor in add/sub means a scalar operand: x + c is affine, not linear
+                strategies.append(Strategy(tuple(Part() for _ in range(k)), Part()))
+        elif kind in ("mul", "div"):
+            for i in range(1 if kind == "div" else k):
+                ins = [R] * k
+                ins[i] = Part()
+                strategies.append(Strategy(tuple(ins), Part()))
+        return strategies
+
+    rule.__name__ = f"pointwise_{kind}"
+    return rule
+
+
+for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("nonlinear", NONLINEAR)):
+    register(_overloads(_names), pointwise_rule(_kind))
