@@ -13,14 +13,16 @@ from torch.utils import _pytree as pytree
 from .context import ShardContext
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .module import Program, ShardedModule, local_slice
+from .module import Program, ShardedModule, Training, local_slice
 from .passes.annotate import annotate, spec_leaves
 from .passes.emit import emit
+from .passes.joint import partition, trace_joint
 from .passes.localize import localize, runtime_device
 from .passes.propagate import propagate
 from .passes.redistribute import redistribute
 from .passes.trace import Traced, trace_forward
-from .placements import Pl
+from .placements import Pl, R
+from .registry import output_leaves
 from .plan import resolve_plan, to_placements
 from .symbolic import sym_shape
 
@@ -40,7 +42,7 @@ def run_passes(gm: fx.GraphModule, ctx: ShardContext, verify: Optional[Callable]
 
 def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo) -> list[Optional[tuple[Pl, ...]]]:
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    leaves = pytree.tree_leaves(out_node.args[0])
+    leaves = output_leaves(out_node)
     struct = pytree.tree_unflatten(list(range(len(leaves))), traced.out_tree)
     specs = spec_leaves(out_specs, struct, "out_specs") if out_specs is not None else [None] * len(leaves)
     req = []
@@ -83,9 +85,41 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
             placements[name] = ctx.seeds[node.name]
             shapes[name] = sym_shape(node.meta["val"])
 
+    wants_grad = [
+        (slot.kind == "param" and slot.requires_grad)
+        or (slot.kind == "input" and _leaf(example_inputs, kwargs, traced, slot.index).requires_grad)
+        for slot in traced.slots
+    ]
+    training = _shard_training(traced, ctx, wants_grad) if any(wants_grad) else None
     gm = run_passes(traced.gm, ctx)
     tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
-    return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), mesh, info, placements, shapes, tensors)
+    return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), training, mesh, info, placements,
+                         shapes, tensors)
+
+
+def _leaf(args: tuple, kwargs: dict, traced: Traced, index: int) -> torch.Tensor:
+    flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    return flat[traced.tensor_leaf_positions[index]]
+
+
+def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool]) -> Training:
+    """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
+    joint = trace_joint(traced, traced.gm, wants_grad)
+    fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
+    jctx = ShardContext(mesh=ctx.mesh, label="training")
+    for f, j in zip(fwd_ph, joint_ph):
+        if f.name in ctx.seeds:
+            jctx.seeds[j.name] = ctx.seeds[f.name]
+    k = len(ctx.mesh.sizes)
+    for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
+        jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
+    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
+    gm = run_passes(joint.gm, jctx)
+    split = partition(joint, gm)
+    fb = list(jctx.fallbacks)
+    return Training(Program(split.fwd, "forward", fb), Program(split.bwd, "backward", fb), joint.n_out,
+                    joint.diff_out, joint.diff_in)
 
 
 def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh,

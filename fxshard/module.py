@@ -30,6 +30,54 @@ class Program:
     fallbacks: list[str] = field(default_factory=list)
 
 
+@dataclass
+class Training:
+    """The sharded joint graph split into the programs autograd runs."""
+
+    fwd: Program
+    bwd: Program
+    n_out: int
+    diff_out: list[int]
+    diff_in: list[int]
+
+
+class _RunSharded(torch.autograd.Function):
+    """Runs the sharded forward program; its backward runs the sharded backward program."""
+
+    @staticmethod
+    def forward(ctx, training: Training, *primals: Any) -> Any:  # type: ignore[override]
+        res = training.fwd.gm(*primals)
+        outs, saved = list(res[: training.n_out]), list(res[training.n_out:])
+        ctx.training = training
+        ctx.tensor_pos = [i for i, x in enumerate(saved) if isinstance(x, torch.Tensor)]
+        ctx.others = [None if isinstance(x, torch.Tensor) else x for x in saved]
+        ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
+        ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
+        non_diff = [o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in training.diff_out]
+        ctx.mark_non_differentiable(*non_diff)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs: Any) -> Any:  # type: ignore[override]
+        tr: Training = ctx.training
+        saved = list(ctx.others)
+        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
+            saved[i] = t
+        tangents = []
+        for i in tr.diff_out:
+            g = grad_outs[i]
+            if g is None:
+                shape, dtype, device = ctx.out_meta[i]
+                g = torch.zeros(shape, dtype=dtype, device=device)
+            tangents.append(g.contiguous())
+        grads = tr.bwd.gm(*saved, *tangents)
+        n_primals = len(ctx.needs_input_grad) - 1
+        res: list[Any] = [None] * n_primals
+        for pos, g in zip(tr.diff_in, grads):
+            res[pos] = g
+        return (None, *res)
+
+
 def _container(root: nn.Module, path: list[str]) -> nn.Module:
     m = root
     for part in path:
@@ -48,11 +96,12 @@ class ShardedModule(nn.Module):
     returns local outputs (per ``out_specs``, replicated by default).
     """
 
-    def __init__(self, traced: Traced, forward: Program, mesh: DeviceMesh, info: MeshInfo,
+    def __init__(self, traced: Traced, forward: Program, training: Optional[Training], mesh: DeviceMesh, info: MeshInfo,
                  placements: dict[str, tuple[Pl, ...]], global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor]):
         super().__init__()
         self._traced = traced
         self._fwd = forward
+        self._training = training
         self._mesh = mesh
         self._info = info
         self._placements = placements
@@ -72,6 +121,9 @@ class ShardedModule(nn.Module):
                     owner.register_buffer(leaf, t, persistent=slot.persistent)
 
     def _programs(self) -> list[Program]:
+        """Training forward/backward when the module trains, else the inference forward."""
+        if self._training is not None:
+            return [self._training.fwd, self._training.bwd]
         return [self._fwd]
 
     # ---- running -------------------------------------------------------------------------
@@ -100,7 +152,21 @@ class ShardedModule(nn.Module):
         return m
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        outs = self._fwd.gm(*self._feed(args, kwargs))
+        """Local outputs for local inputs; differentiable when grad mode is on (see class doc)."""
+        feed = self._feed(args, kwargs)
+        tr = self._training
+        if tr is not None and torch.is_grad_enabled() and any(
+            isinstance(feed[i], torch.Tensor) and feed[i].requires_grad for i in tr.diff_in
+        ):
+            for i, (slot, x) in enumerate(zip(self._slots, feed)):
+                if slot.kind == "input" and isinstance(x, torch.Tensor) and x.requires_grad and i not in tr.diff_in:
+                    raise ShardingError(
+                        f"input {slot.index} requires grad but the example input did not; pass an example input "
+                        f"with requires_grad=True to shard() to get its gradient"
+                    )
+            outs = _RunSharded.apply(tr, *feed)
+        else:
+            outs = self._fwd.gm(*feed)
         return pytree.tree_unflatten(list(outs), self._traced.out_tree)
 
     # ---- state ---------------------------------------------------------------------------

@@ -141,3 +141,18 @@ def norm_dims(ds: Optional[Sequence[int]], ndim: int) -> list[int]:
     if isinstance(ds, int):
         ds = [ds]
     return sorted({norm_dim(d, max(ndim, 1)) for d in ds}) if ds else list(range(ndim))
+
+
+def output_leaves(out_node: fx.Node) -> list[Any]:
+    """The flat values an fx output node returns, None entries kept (pytree would drop them)."""
+    res: list[Any] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        else:
+            res.append(x)
+
+    walk(out_node.args[0])
+    return res

@@ -1,6 +1,6 @@
 """Run a function on N real ``torch.distributed`` ranks (gloo, CPU) from a test.
 
-Usage::
+Usage (``tests`` is a package: ``from tests.dist_utils import run_ranks``)::
 
     # module level in a test file: ``fn`` is pickled *by reference*, so it must
     # be importable by name in a fresh interpreter (no lambdas, no closures,
@@ -22,7 +22,7 @@ they do under pytest.
 
 Measured cost (torch 2.13.0+cpu, 2-core machine): a trivial 2-rank
 ``run_ranks`` (spawn, init gloo, one all_reduce, destroy, join) takes about
-1.4-2.0 s wall time (5 runs: 1.79 1.73 1.67 1.51 1.39 s). Nearly all of it is
+1.1-2.0 s wall time (10 runs: 1.14 to 1.87 s, median ~1.6 s). Nearly all of it is
 the two children importing torch at once on two cores plus gloo rendezvous
 (fn starts ~1.1-1.5 s after launch); children skip interpreter teardown with
 ``os._exit`` after reporting, which saves ~0.5 s per run (see ``_FAST_EXIT``).
@@ -33,6 +33,7 @@ several checks in one ``fn`` where it reads well.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import pickle
 import queue as queue_mod
@@ -43,8 +44,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-import multiprocessing as mp
-
 __all__ = ["RankError", "find_free_port", "run_ranks"]
 
 # A child that died without reporting is declared lost after this grace period
@@ -52,6 +51,9 @@ __all__ = ["RankError", "find_free_port", "run_ranks"]
 _DEAD_CHILD_GRACE_S = 2.0
 # How long a timed-out child gets to dump its Python stacks before SIGKILL.
 _STACK_DUMP_GRACE_S = 0.5
+# After the first error report, how long to wait for the other ranks' reports
+# (the earliest-raised error is reported as the root cause).
+_ERROR_SETTLE_S = 1.0
 _POLL_S = 0.05
 # Children leave with os._exit(0) once their report is flushed, skipping
 # interpreter teardown (atexit handlers, e.g. coverage in children, do not
@@ -98,6 +100,52 @@ def _to_cpu(value: Any) -> Any:
     return tree_map(conv, value)
 
 
+def _run_rank(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> bytes:
+    """Set up the rank, run ``fn``, return its pickled (CPU) result.
+
+    The result is pickled here with the standard pickler (tensors become
+    self-contained bytes), not by the queue's ForkingPickler, which would
+    share tensor storage through file descriptors that die with this process.
+    If ``fn`` raises, the process group is deliberately *not* destroyed: the
+    error is timestamped and reported before peers see connections drop, so
+    the parent can tell the root cause from its consequences.
+    """
+    import faulthandler
+
+    # The parent sends SIGUSR1 to a hung child to get its Python stacks.
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    result = fn(rank, world_size, *args, **kwargs)
+    payload = pickle.dumps(_to_cpu(result), protocol=pickle.HIGHEST_PROTOCOL)
+    dist.destroy_process_group()
+    return payload
+
+
 def _child_main(
     fn: Callable[..., Any],
     rank: int,
@@ -108,45 +156,18 @@ def _child_main(
     kwargs: dict[str, Any],
     result_queue: Any,
 ) -> None:
-    """Body of one rank. Never raises: every outcome is reported on the queue,
-    then the process exits (see ``_FAST_EXIT``).
+    """Process target of one rank. Never raises: reports once, then exits.
 
-    Messages are ``(rank, "ok", pickled_result)`` or ``(rank, "err", text)``.
-    The result is pickled here with the standard pickler (tensors become
-    self-contained bytes), not by the queue's ForkingPickler, which would
-    share tensor storage through file descriptors that die with this process.
+    Puts exactly one message on ``result_queue``:
+    ``(rank, "ok", pickled_result, 0.0)`` or
+    ``(rank, "err", formatted_traceback, time_raised)``; then exits (see
+    ``_FAST_EXIT``).
     """
     try:
-        import faulthandler
-
-        # The parent sends SIGUSR1 to a hung child to get its Python stacks.
-        if hasattr(signal, "SIGUSR1"):
-            faulthandler.register(signal.SIGUSR1, all_threads=True)
-
-        os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        from datetime import timedelta
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
-        try:
-            result = fn(rank, world_size, *args, **kwargs)
-            payload = pickle.dumps(_to_cpu(result), protocol=pickle.HIGHEST_PROTOCOL)
-        finally:
-            dist.destroy_process_group()
-        result_queue.put((rank, "ok", payload))
-    except BaseException:  # report everything, including SystemExit/KeyboardInterrupt
-        result_queue.put((rank, "err", traceback.format_exc()))
+        msg = (rank, "ok", _run_rank(fn, rank, world_size, port, timeout, args, kwargs), 0.0)
+    except BaseException:  # everything, including SystemExit/KeyboardInterrupt
+        msg = (rank, "err", traceback.format_exc(), time.time())
+    result_queue.put(msg)
     if _FAST_EXIT:
         # Interpreter teardown with torch loaded costs ~0.5 s per run; the
         # report is all the parent needs, so flush it and leave at once.
@@ -155,6 +176,30 @@ def _child_main(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _rank_error(errors: dict[int, tuple[float, str]], world_size: int, fn_name: str) -> RankError:
+    """Build the RankError for the rank that raised first; mention the others.
+
+    Requires ``errors`` non-empty, mapping rank -> (time raised, traceback text).
+    """
+    first = min(errors, key=lambda r: (errors[r][0], r))
+    tb = errors[first][1]
+    others = [
+        f"rank {r}: {errors[r][1].strip().splitlines()[-1]}" for r in sorted(errors) if r != first
+    ]
+    note = (
+        f" (first of {len(errors)} failing ranks; later failures, usually consequences: "
+        + "; ".join(others)
+        + ")"
+        if others
+        else ""
+    )
+    return RankError(
+        f"rank {first} of {world_size} raised in {fn_name}{note}:\n{tb}",
+        rank=first,
+        child_traceback=tb,
+    )
 
 
 def _stop(procs: list[Any], dump_stacks: bool = False) -> None:
@@ -210,13 +255,16 @@ def run_ranks(
     LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT (a free port) are set,
     ``dist.init_process_group("gloo")`` is called (collective timeout =
     ``timeout``), ``torch.manual_seed(0)`` and ``torch.set_num_threads(1)``.
-    The process group is destroyed after ``fn`` returns.
+    The process group is destroyed after ``fn`` returns (not if it raises:
+    the process exits instead).
 
     Ensures:
         * returns the ranks' return values as a list in rank order;
         * if a rank raises, raises :class:`RankError` (a RuntimeError) whose
-          message carries the rank and the child's full formatted traceback,
-          after killing the other ranks;
+          message carries the rank and the full formatted traceback of the
+          rank that raised *first* (other ranks failing in a collective
+          because a peer died are listed by their last line), after killing
+          the remaining ranks;
         * if the ranks do not all finish within ``timeout`` seconds, dumps the
           live children's Python stacks to stderr, kills all, raises RankError;
         * on every path all child processes are joined (no zombies).
@@ -234,57 +282,81 @@ def run_ranks(
         )
         for rank in range(world_size)
     ]
-    results: dict[int, Any] = {}
+    results: dict[int, bytes] = {}
+    errors: dict[int, tuple[float, str]] = {}
     first_seen_dead: dict[int, float] = {}
+    settle_until: float | None = None  # set by the first error report
     fn_name = getattr(fn, "__qualname__", repr(fn))
     try:
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout
-        while len(results) < world_size:
+        while len(results) + len(errors) < world_size:
+            if settle_until is not None and time.monotonic() >= settle_until:
+                break
             try:
-                rank, status, payload = result_queue.get(timeout=_POLL_S)
+                rank, status, payload, t_raised = result_queue.get(timeout=_POLL_S)
             except queue_mod.Empty:
-                now = time.monotonic()
-                for rank, p in enumerate(procs):
-                    if rank in results or p.is_alive():
-                        continue
-                    first_seen_dead.setdefault(rank, now)
-                    if now - first_seen_dead[rank] > _DEAD_CHILD_GRACE_S:
-                        raise RankError(
-                            f"rank {rank} of {world_size} running {fn_name} exited with code "
-                            f"{p.exitcode} without reporting a result: it crashed, was signalled, "
-                            f"called os._exit, or failed before reaching fn (e.g. the spawned "
-                            f"interpreter could not re-import the parent's __main__ or fn's "
-                            f"module; run from a file, not stdin). See stderr for its output.",
-                            rank=rank,
-                        )
-                if now > deadline:
-                    pending = [r for r in range(world_size) if r not in results]
-                    _stop(procs, dump_stacks=True)
-                    raise RankError(
-                        f"run_ranks timed out after {timeout:g} s running {fn_name} on "
-                        f"{world_size} ranks; ranks without a result: {pending}, finished: "
-                        f"{sorted(results)}. Python stacks of the hung ranks were dumped to "
-                        f"stderr (see captured stderr). A rank waiting in a collective that "
-                        f"another rank never reaches is the usual cause.",
-                        rank=None,
-                    )
+                if settle_until is None:
+                    _check_dead_or_late(procs, results, first_seen_dead, deadline, timeout, fn_name)
                 continue
-            if status == "err":
-                raise RankError(
-                    f"rank {rank} of {world_size} raised in {fn_name}:\n{payload}",
-                    rank=rank,
-                    child_traceback=payload,
-                )
-            results[rank] = pickle.loads(payload)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = (t_raised, payload)
+                if settle_until is None:
+                    # Give the other ranks a moment to report, to find the root cause.
+                    settle_until = time.monotonic() + _ERROR_SETTLE_S
+        if errors:
+            raise _rank_error(errors, world_size, fn_name)
         for p in procs:
             p.join(timeout=30)
-        return [results[r] for r in range(world_size)]
+        return [pickle.loads(results[r]) for r in range(world_size)]
     finally:
         _stop([p for p in procs if _started(p)])
         result_queue.close()
         result_queue.join_thread()
+
+
+def _check_dead_or_late(
+    procs: list[Any],
+    results: dict[int, bytes],
+    first_seen_dead: dict[int, float],
+    deadline: float,
+    timeout: float,
+    fn_name: str,
+) -> None:
+    """Raise RankError if a rank died without reporting or the run is past its deadline.
+
+    A dead rank is given ``_DEAD_CHILD_GRACE_S`` for its last message to
+    arrive. On timeout the live ranks' stacks are dumped and all are killed.
+    """
+    world_size = len(procs)
+    now = time.monotonic()
+    for rank, p in enumerate(procs):
+        if rank in results or p.is_alive():
+            continue
+        first_seen_dead.setdefault(rank, now)
+        if now - first_seen_dead[rank] > _DEAD_CHILD_GRACE_S:
+            raise RankError(
+                f"rank {rank} of {world_size} running {fn_name} exited with code "
+                f"{p.exitcode} without reporting a result: it crashed, was signalled, "
+                f"called os._exit, or failed before reaching fn (e.g. the spawned "
+                f"interpreter could not re-import the parent's __main__ or fn's "
+                f"module; run from a file, not stdin). See stderr for its output.",
+                rank=rank,
+            )
+    if now > deadline:
+        pending = [r for r in range(world_size) if r not in results]
+        _stop(procs, dump_stacks=True)
+        raise RankError(
+            f"run_ranks timed out after {timeout:g} s running {fn_name} on "
+            f"{world_size} ranks; ranks without a result: {pending}, finished: "
+            f"{sorted(results)}. Python stacks of the hung ranks were dumped to "
+            f"stderr (see captured stderr). A rank waiting in a collective that "
+            f"another rank never reaches is the usual cause.",
+            rank=None,
+        )
 
 
 def _started(p: Any) -> bool:

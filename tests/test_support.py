@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import RankError, run_ranks
-from models import MODEL_CASES, LlamaDecoder, ModelCase, RMSNorm, Transformer, make_tokens
+from tests.dist_utils import RankError, run_ranks
+from tests.models import MODEL_CASES, LlamaDecoder, ModelCase, RMSNorm, Transformer, make_tokens
 
 # ----------------------------------------------------------------- rank bodies
 # Module level on purpose: run_ranks pickles them by reference.

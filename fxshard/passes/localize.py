@@ -62,36 +62,39 @@ def _chunk_start(spec: Spec, dim: int, ctx: ShardContext) -> tuple[int, Any]:
     return idx, local_shape(spec.shape, spec.placements, ctx.mesh.sizes)[dim]
 
 
-def _masked_lookup(g: fx.Graph, node: fx.Node, table: fx.Node, index_pos: int, dim: int, ctx: ShardContext,
-                   out_mask_unsqueeze: bool) -> None:
-    """Lookup of global indices into a table split on ``dim``: shift, mask, look up, zero the misses."""
+def _shifted_index(e: Emitter, node: fx.Node, table: fx.Node, idx: fx.Node, dim: int, ctx: ShardContext
+                   ) -> tuple[fx.Node, fx.Node]:
+    """(index into this rank's range of a table split on ``dim`` with misses set to 0, miss mask)."""
     spec = table.meta[META_KEY]
     c, ld = _chunk_start(spec, dim, ctx)
     if not is_concrete(ld):
         raise ShardingError(f"{node.name}: a symbolic split size in a masked lookup is not supported; "
                             f"give the split table dim a static size")
     ld = int(ld)
-    e = Emitter(g, node, {})
-    idx = node.args[index_pos]
     shifted = e.op(aten.sub.Tensor, idx, c * ld)
     miss = e.op(aten.logical_or.default, e.op(aten.lt.Scalar, shifted, 0), e.op(aten.ge.Scalar, shifted, ld))
-    safe = e.op(aten.masked_fill.Scalar, shifted, miss, 0)
-    args = list(node.args)
-    args[index_pos] = safe
-    node.args = tuple(args)
+    return e.op(aten.masked_fill.Scalar, shifted, miss, 0), miss
+
+
+def _zero_misses_after(g: fx.Graph, node: fx.Node, miss: fx.Node, unsqueeze: bool) -> None:
+    """Replace ``node``'s uses by ``node`` with the positions in ``miss`` zeroed."""
     with g.inserting_after(node):
-        mask = miss
-        if out_mask_unsqueeze:
-            mask = g.call_function(aten.unsqueeze.default, (miss, -1))
-            mask.meta[INSERTED_KEY] = True
-        with g.inserting_after(mask if mask is not miss else node):
-            out = g.call_function(aten.masked_fill.Scalar, (node, mask, 0.0))
-    out.meta[INSERTED_KEY] = True
+        mask = g.call_function(aten.unsqueeze.default, (miss, -1)) if unsqueeze else miss
+    with g.inserting_after(mask if unsqueeze else node):
+        out = g.call_function(aten.masked_fill.Scalar, (node, mask, 0.0))
+    for n in (mask, out):
+        n.meta[INSERTED_KEY] = True
+    out.meta["val"] = node.meta.get("val")
+    out.meta[META_KEY] = node.meta.get(META_KEY)
     for user in list(node.users):
         if user is not out and user is not mask:
             user.replace_input_with(node, out)
-    out.meta["val"] = node.meta.get("val")
-    out.meta[META_KEY] = node.meta.get(META_KEY)
+
+
+def _set_arg(node: fx.Node, i: int, value: Any) -> None:
+    args = list(node.args)
+    args[i] = value
+    node.args = tuple(args)
 
 
 def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
@@ -100,11 +103,28 @@ def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
     if not lowerings:
         return
     ins = tensor_inputs(node)
-    if "masked_embedding" in lowerings:
-        _masked_lookup(g, node, ins[0], 1, 0, ctx, out_mask_unsqueeze=True)
-    if "masked_gather" in lowerings:
+    e = Emitter(g, node, {})
+    if "masked_embedding" in lowerings:  # embedding(table, idx): look up hits, zero the rows of misses
+        safe, miss = _shifted_index(e, node, ins[0], node.args[1], 0, ctx)
+        _set_arg(node, 1, safe)
+        _zero_misses_after(g, node, miss, unsqueeze=True)
+    if "masked_gather" in lowerings:  # gather(x, dim, idx)
         dim = norm_dim(node.args[1], len(ins[0].meta[META_KEY].shape))
-        _masked_lookup(g, node, ins[0], 2, dim, ctx, out_mask_unsqueeze=False)
+        safe, miss = _shifted_index(e, node, ins[0], node.args[2], dim, ctx)
+        _set_arg(node, 2, safe)
+        _zero_misses_after(g, node, miss, unsqueeze=False)
+    if "masked_index_put" in lowerings:  # index_put(self, [idx], values, accumulate=True): add zeros for misses
+        safe, miss = _shifted_index(e, node, ins[0], node.args[1][0], 0, ctx)
+        values = node.args[2]
+        masked = e.op(aten.masked_fill.Scalar, values, _bcast_mask(e, miss, node, values), 0.0)
+        _set_arg(node, 1, [safe])
+        _set_arg(node, 2, masked)
+    if "masked_scatter_add" in lowerings:  # scatter_add(self, dim, idx, src): add zeros for misses
+        dim = norm_dim(node.args[1], len(ins[0].meta[META_KEY].shape))
+        safe, miss = _shifted_index(e, node, ins[0], node.args[2], dim, ctx)
+        masked = e.op(aten.masked_fill.Scalar, node.args[3], miss, 0.0)
+        _set_arg(node, 2, safe)
+        _set_arg(node, 3, masked)
     if "mean_as_sum" in lowerings:
         f = 1
         for a, st in enumerate(strategies):
@@ -118,6 +138,14 @@ def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
         for user in list(node.users):
             if user is not out:
                 user.replace_input_with(node, out)
+
+
+def _bcast_mask(e: Emitter, miss: fx.Node, node: fx.Node, values: fx.Node) -> fx.Node:
+    """``miss`` (index shape) unsqueezed on the right to broadcast over ``values`` rows."""
+    extra = len(values.meta["val"].shape) - len(node.args[1][0].meta["val"].shape)
+    for _ in range(extra):
+        miss = e.op(aten.unsqueeze.default, miss, -1)
+    return miss
 
 
 def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:

@@ -26,8 +26,8 @@ from torch.utils import _pytree as pytree
 from ..context import ShardContext
 from ..cost import transition_cost
 from ..errors import ShardingError
-from ..placements import Pl, R, S
-from ..registry import OpCall, Strategy, lookup, out_shape_of, replicate_all, tensor_inputs
+from ..placements import Part, Pl, R, S
+from ..registry import OpCall, Strategy, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
 from ..spec import META_KEY, Spec, shard_factor
 from ..symbolic import divides, sym_shape
 
@@ -82,6 +82,10 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     avail: dict[tuple[str, int], set] = {}
 
     def cost_of(inp: fx.Node, cur: Pl, dst: Pl, axis: int) -> float:
+        if isinstance(cur, Part) and cur == dst and len(inp.users) > 1 and R not in avail.get((inp.name, axis), ()):
+            # a Partial that fans out is reduced once, at the fan-out point (Megatron's f/g): each consumer
+            # keeping it Partial would otherwise end in a reduction of its own
+            return transition_cost(cur, R, _nbytes(inp.meta["val"]), sizes[axis])
         if cur == dst or dst in avail.get((inp.name, axis), ()):
             return 0.0
         return transition_cost(cur, dst, _nbytes(inp.meta["val"]), sizes[axis])
@@ -176,10 +180,8 @@ def _out_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
 
 
 def _require_outputs(node: fx.Node, ctx: ShardContext, avail) -> None:
-    leaves = pytree.tree_leaves(node.args[0])
     req = []
-    j = 0
-    for leaf in leaves:
+    for j, leaf in enumerate(output_leaves(node)):
         if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
             want = ctx.out_required[j] if j < len(ctx.out_required) else None
             cur = leaf.meta[META_KEY]
@@ -189,5 +191,4 @@ def _require_outputs(node: fx.Node, ctx: ShardContext, avail) -> None:
                     f"divisible by its mesh axis; use out_specs that divide evenly (or Replicate())"
                 )
             req.append(tuple(want) if want is not None else cur.placements)
-        j += 1 if leaf is not None else 1
     node.meta[IN_KEY] = req

@@ -44,3 +44,43 @@ def gather_rule(call: OpCall, n: int) -> list[Strategy]:
         elif divides(index[d], n) and divides(x[d], n) and str(x[d]) == str(index[d]):
             res.append(Strategy((S(d), S(d)), S(d)))
     return res
+
+
+@register(aten.index_put.default)
+def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``index_put(self, [idx], values, accumulate)`` (the embedding backward): split a non-indexed
+    trailing dim; split the indexed dim 0 with a masked local write (accumulate only); or Partial
+    in (self, values) when accumulating."""
+    k = len(call.in_shapes)
+    indices = call.node.args[1]
+    accumulate = call.node.args[3] if len(call.node.args) > 3 else call.node.kwargs.get("accumulate", False)
+    n_idx = len(indices)
+    n_tensor_idx = k - 2
+    self_shape, values_shape = call.in_shapes[0], call.in_shapes[-1]
+    idx_r = (R,) * n_tensor_idx
+    res = [Strategy((R,) * k, R)]
+    lead = len(values_shape) - (len(self_shape) - n_idx)
+    for d in range(n_idx, len(self_shape)):
+        if divides(self_shape[d], n):
+            res.append(Strategy((S(d),) + idx_r + (S(lead + d - n_idx),), S(d)))
+    if accumulate:
+        res.append(Strategy((Part(),) + idx_r + (Part(),), Part()))
+        if n_idx == 1 and n_tensor_idx == 1 and divides(self_shape[0], n):
+            res.append(Strategy((S(0),) + idx_r + (R,), S(0), lowering="masked_index_put"))
+    return res
+
+
+@register(aten.scatter_add.default)
+def scatter_add_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``scatter_add(self, dim, index, src)`` (the gather backward): split a non-scatter dim of all
+    three, split the scatter dim of self (masked local scatter), or Partial in (self, src)."""
+    x, index, src = call.in_shapes
+    dim = norm_dim(call.node.args[1], len(x))
+    res = [Strategy((R, R, R), R), Strategy((Part(), R, Part()), Part())]
+    for d in range(len(x)):
+        if d == dim:
+            if divides(x[d], n):
+                res.append(Strategy((S(d), R, R), S(d), lowering="masked_scatter_add"))
+        elif divides(x[d], n) and str(x[d]) == str(index[d]) == str(src[d]):
+            res.append(Strategy((S(d), S(d), S(d)), S(d)))
+    return res

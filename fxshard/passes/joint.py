@@ -1,0 +1,155 @@
+"""Joint tracing and partitioning: one graph for forward + backward, split after sharding.
+
+``trace_joint`` requires the *global* traced forward (before any pass ran) and
+ensures a core-ATen graph ``(primals..., tangents...) -> (outputs..., grads...)``
+obtained by tracing the forward program together with ``torch.autograd.grad``
+under fake tensors (``make_fx``): backward ops are ordinary ATen ops, so the
+same rules shard them and the backward collectives fall out of propagation.
+
+``partition`` requires a sharded joint graph and ensures two GraphModules:
+forward ``primals -> (outputs..., saved...)`` holding exactly the nodes the
+outputs need, and backward ``(saved..., tangents...) -> grads`` holding the
+rest (so anything only the backward needs, collectives included, runs in the
+backward, and saved values are the forward nodes the backward reads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch._decomp import core_aten_decompositions
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from ..errors import ShardingError
+from ..registry import output_leaves
+from .trace import Traced, _cse, decomposition_table
+
+__all__ = ["Joint", "trace_joint", "partition", "Split"]
+
+
+@dataclass
+class Joint:
+    """The joint graph and how its inputs/outputs line up with the forward's."""
+
+    gm: fx.GraphModule
+    n_primals: int
+    diff_out: list[int]  # forward output positions that get a tangent
+    diff_in: list[int]  # primal positions that get a gradient
+    n_out: int
+
+
+def _example(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
+                                   dtype=val.dtype, device=val.device)
+    return val
+
+
+def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) -> Joint:
+    """See module doc; ``wants_grad[i]`` says whether primal ``i`` gets a gradient."""
+    placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    if any(isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape) for v in vals):
+        raise ShardingError(
+            "training with dynamic shapes is not supported yet; shard without dynamic_shapes for training "
+            "(inference with dynamic shapes works under torch.no_grad())"
+        )
+    out_node = next(n for n in fwd_gm.graph.nodes if n.op == "output")
+    out_leaves = output_leaves(out_node)
+    diff_out = [i for i, o in enumerate(out_leaves) if isinstance(o, fx.Node)
+                and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].is_floating_point()]
+    diff_in = [i for i, w in enumerate(wants_grad) if w]
+    primals = [_example(v) for v in vals]
+    tangents = [_example(out_leaves[i].meta["val"]) for i in diff_out]
+    n_out = len(out_leaves)
+
+    def joint(primals: list, tangents: list):
+        prim = [p.detach().requires_grad_(i in diff_in) if isinstance(p, torch.Tensor) and p.is_floating_point()
+                else p for i, p in enumerate(primals)]
+        outs = fwd_gm(*prim)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        pairs = [(outs[i], t) for i, t in zip(diff_out, tangents) if outs[i].requires_grad]
+        inputs = [prim[i] for i in diff_in]
+        if pairs and inputs:
+            grads = torch.autograd.grad([o for o, _ in pairs], inputs, [t for _, t in pairs], allow_unused=True)
+        else:
+            grads = [None] * len(inputs)
+        return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], list(grads)
+
+    table = dict(core_aten_decompositions())
+    table.update({k: v for k, v in decomposition_table().items()})
+    with torch.enable_grad():
+        gm = make_fx(joint, tracing_mode="fake", decomposition_table=table)(primals, tangents)
+    gm = _cse(gm)
+    return Joint(gm, len(primals), diff_out, diff_in, n_out)
+
+
+@dataclass
+class Split:
+    fwd: fx.GraphModule
+    bwd: fx.GraphModule
+    n_saved: int
+
+
+def partition(joint: Joint, gm: fx.GraphModule) -> Split:
+    """See module doc. ``gm`` is the sharded joint graph (same placeholders/outputs as ``joint.gm``)."""
+    g = gm.graph
+    placeholders = [n for n in g.nodes if n.op == "placeholder"]
+    primals, tangents = placeholders[: joint.n_primals], placeholders[joint.n_primals:]
+    out_node = next(n for n in g.nodes if n.op == "output")
+    leaves = output_leaves(out_node)
+    fwd_outs, grads = leaves[: joint.n_out], leaves[joint.n_out:]
+
+    needed: set[fx.Node] = set()
+    stack = [o for o in fwd_outs if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in needed:
+            continue
+        needed.add(n)
+        stack.extend(n.all_input_nodes)
+    if any(t in needed for t in tangents):
+        raise ShardingError("internal: a forward output depends on a tangent; please report this model")
+    needed.update(primals)
+
+    saved: list[fx.Node] = []
+    for n in g.nodes:
+        if n in needed or n.op in ("placeholder", "output"):
+            continue
+        for a in n.all_input_nodes:
+            if a in needed and a not in saved:
+                saved.append(a)
+    for gr in grads:
+        if isinstance(gr, fx.Node) and gr in needed and gr not in saved:
+            saved.append(gr)
+
+    fwd = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in g.nodes:
+        if n in needed:
+            env[n] = fwd.node_copy(n, lambda a: env[a])
+    fwd.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in fwd_outs) + tuple(env[s] for s in saved))
+
+    bwd = fx.Graph()
+    benv: dict[fx.Node, fx.Node] = {}
+    for s in saved:
+        p = bwd.placeholder(f"saved_{s.name}")
+        p.meta.update(s.meta)
+        benv[s] = p
+    for t in tangents:
+        benv[t] = bwd.node_copy(t, lambda a: benv[a])
+    for n in g.nodes:
+        if n in needed or n.op in ("placeholder", "output"):
+            continue
+        benv[n] = bwd.node_copy(n, lambda a: benv[a])
+    bwd.output(tuple(benv[x] if isinstance(x, fx.Node) else x for x in grads))
+    fgm = fx.GraphModule(gm, fwd)
+    bgm = fx.GraphModule(gm, bwd)
+    for m in (fgm, bgm):
+        m.graph.eliminate_dead_code()
+        m.recompile()
+    return Split(fgm, bgm, len(saved))
