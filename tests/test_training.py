@@ -76,3 +76,100 @@ def _transformer_train(rank: int, world: int) -> dict:
 def test_transformer_with_loss_inside_trains_like_unsharded():
     for res in run_ranks(_transformer_train, 2):
         assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
+
+
+def llama_megatron_plan(n_layers: int) -> dict:
+    """Seed 003's Megatron plan (no sequence parallel), loss parallel through a colwise head."""
+    plan: dict = {"tok_embeddings": RowwiseParallel(), "output": ColwiseParallel()}
+    for p in ("wq", "wk", "wv"):
+        plan[f"layers.*.attention.{p}"] = ColwiseParallel()
+    plan["layers.*.attention.wo"] = RowwiseParallel()
+    plan["layers.*.feed_forward.w1"] = ColwiseParallel()
+    plan["layers.*.feed_forward.w3"] = ColwiseParallel()
+    plan["layers.*.feed_forward.w2"] = RowwiseParallel()
+    return plan
+
+
+def _llama_train(rank: int, world: int, n_layers: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=n_layers, hidden=64, max_seq=16)
+    batches = [(models.make_tokens(2, 16, 64, seed=s), models.make_tokens(2, 16, 64, seed=s + 50)) for s in range(2)]
+    sm = fxshard.shard(copy.deepcopy(model), mesh, llama_megatron_plan(n_layers), example_inputs=batches[0])
+    ref_l, l = _train(model, sm, batches, lambda m, b: m(*b), "sgd", 3)
+    return {"loss_err": max(abs(a - b) for a, b in zip(ref_l, l)), "param_err": _max_param_diff(sm.full_state_dict(), model),
+            "stats": fxshard.comm_stats(sm)}
+
+
+def test_llama_megatron_plan_trains_like_unsharded_with_two_all_reduces_per_layer():
+    n_layers = 2
+    for res in run_ranks(_llama_train, 2, n_layers):
+        assert res["loss_err"] <= 1e-5 and res["param_err"] <= TOL, res
+        fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
+        big = 2 * 16 * 32 * 4  # one [batch, seq, dim] fp32 activation: the per-layer all_reduces
+        # forward: embedding Partial + 2 per layer; then loss statistics (max, sum-exp, target logit: per token)
+        assert set(fwd) == {"all_reduce"} and set(bwd) == {"all_reduce"}, res["stats"]
+        assert fwd["all_reduce"]["count"] == 1 + 2 * n_layers + 3
+        # backward: 2 per layer + the head's input gradient (its grad all-reduce before the final norm)
+        # + 2 per-token statistics of the loss-parallel softmax backward
+        assert bwd["all_reduce"]["count"] == 2 * n_layers + 1 + 2
+        assert fwd["all_reduce"]["bytes"] < (1 + 2 * n_layers) * big + big  # statistics are tiny
+
+
+def _seed004_train(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.ConvBigHeadWithLoss(in_ch=3, ch=8, img=4, n_classes=8192)
+    g = torch.Generator().manual_seed(7)
+    batches = [(models.make_images(8, 3, 4, seed=s), torch.randint(0, 8192, (8,), generator=g)) for s in range(2)]
+    plan = {"linear.weight": P("tp", None), "linear.bias": P("tp")}
+    local = lambda b: (b[0].chunk(world)[rank], b[1].chunk(world)[rank])
+    sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batches[0], in_specs=(P("tp"), P("tp")))
+    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(sm.parameters(), lr=0.5)
+    errs = []
+    for i in range(3):
+        b = batches[i % 2]
+        for m, o, inp in ((model, opt_ref, b), (sm, opt, local(b))):
+            o.zero_grad()
+            loss = m(*inp)
+            loss.backward()
+            o.step()
+            errs.append(loss.item())
+    stats = fxshard.comm_stats(sm)
+    total = sum(v["bytes"] for prog in stats.values() for v in prog.values())
+    return {"loss_err": max(abs(errs[i] - errs[i + 1]) for i in range(0, len(errs), 2)),
+            "param_err": _max_param_diff(sm.full_state_dict(), model), "bytes": total, "logits": 8 * 8192 * 4,
+            "stats": stats}
+
+
+def test_seed004_data_parallel_trunk_sharded_head_loss_parallel():
+    for res in run_ranks(_seed004_train, 2):
+        assert res["loss_err"] <= 1e-5 and res["param_err"] <= TOL, res
+        assert res["bytes"] < res["logits"] / 4, res["stats"]
+
+
+def _accumulate(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.ToyModel(16, 32)
+    g = torch.Generator().manual_seed(9)
+    micro = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(2)]
+    sm = fxshard.shard(copy.deepcopy(model), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                       example_inputs=(micro[0][0],))
+    for m in (model, sm):
+        for x, y in micro:
+            torch.nn.functional.mse_loss(m(x), y).backward()
+    grads = {n: sm._dtensor(n, p.grad).full_tensor() for n, p in sm.named_parameters()}
+    grad_err = max((grads[n] - model.get_parameter(n).grad).abs().max().item() for n in grads)
+    with torch.no_grad():
+        x = micro[0][0]
+        out = sm(x)
+        infer_err = (out - model(x)).abs().max().item()
+        no_graph = out.grad_fn is None
+    sm.eval()
+    eval_err = (sm(x) - model(x)).abs().max().item()
+    return {"grad_err": grad_err, "infer_err": infer_err, "no_graph": no_graph, "eval_err": eval_err}
+
+
+def test_gradient_accumulation_and_no_grad_inference():
+    for res in run_ranks(_accumulate, 2):
+        assert res["grad_err"] <= TOL
+        assert res["infer_err"] <= TOL and res["no_graph"]
+        assert res["eval_err"] <= TOL

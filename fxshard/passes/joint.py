@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
@@ -70,7 +71,8 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     def joint(primals: list, tangents: list):
         prim = [p.detach().requires_grad_(i in diff_in) if isinstance(p, torch.Tensor) and p.is_floating_point()
                 else p for i, p in enumerate(primals)]
-        outs = fwd_gm(*prim)
+        with fx_traceback.preserve_node_meta():  # joint nodes keep the forward's source lines
+            outs = fx.Interpreter(fwd_gm).run(*prim)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         pairs = [(outs[i], t) for i, t in zip(diff_out, tangents) if outs[i].requires_grad]
         inputs = [prim[i] for i in diff_in]
@@ -84,6 +86,12 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     table.update({k: v for k, v in decomposition_table().items()})
     with torch.enable_grad():
         gm = make_fx(joint, tracing_mode="fake", decomposition_table=table)(primals, tangents)
+    for ph, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], [n.name for n in placeholders]):
+        ph.name = name  # name primals after the forward's placeholders (p_net1_weight, ...)
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
     gm = _cse(gm)
     return Joint(gm, len(primals), diff_out, diff_in, n_out)
 

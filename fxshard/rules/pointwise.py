@@ -99,6 +99,25 @@ def broadcast_placement(out_pl: Pl, in_shape: Sequence[Dim], out_shape: Sequence
     return out_pl
 
 
+def _partials_kept_by_copy(call: OpCall) -> tuple[str, ...]:
+    """The Partial kinds a copy keeps. A dtype cast (``_to_copy``) keeps ``P(sum)`` only into a floating
+    dtype or between integer dtypes (``int(a) + int(b) != int(a + b)``), and ``P(max)``/``P(min)`` only
+    into an ordered non-bool dtype (casts are monotonic, but ``bool`` is not)."""
+    val = call.node.meta.get("val")
+    if call.node.target is not aten._to_copy.default or not call.in_dtypes or not isinstance(val, torch.Tensor):
+        return ("sum", "max", "min")
+    src, dst = call.in_dtypes[0], val.dtype
+    if src == dst:
+        return ("sum", "max", "min")
+    kept: tuple[str, ...] = ()
+    if dst.is_floating_point or dst.is_complex or (not src.is_floating_point and not src.is_complex
+                                                   and src != torch.bool and dst != torch.bool):
+        kept += ("sum",)
+    if dst != torch.bool and not dst.is_complex and not src.is_complex:
+        kept += ("max", "min")
+    return kept
+
+
 def pointwise_rule(kind: str):
     def rule(call: OpCall, n: int) -> list[Strategy]:
         k = len(call.in_shapes)
@@ -106,7 +125,7 @@ def pointwise_rule(kind: str):
         strategies = [Strategy(all_r(k), R)]
         strategies += split_strategies(call, n, out_shape, range(k))
         if kind == "copy":
-            for op in ("sum", "max", "min"):
+            for op in _partials_kept_by_copy(call):
                 strategies.append(Strategy(tuple(Part(op) for _ in range(k)), Part(op)))
         elif kind == "linear" and k:
             if call.node.target is aten.where.self:

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets up, then runs the whole test suite; fails on any failure and when no test ran (pytest exit 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+set +e
+OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "FAIL: pytest collected no tests" >&2; exit 1; fi
+exit "$rc"
