@@ -90,7 +90,17 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
         or (slot.kind == "input" and _leaf(example_inputs, kwargs, traced, slot.index).requires_grad)
         for slot in traced.slots
     ]
-    training = _shard_training(traced, ctx, wants_grad) if any(wants_grad) else None
+    training = None
+    if any(wants_grad):
+        if dynamic_shapes is None:
+            training = _shard_training(traced, ctx, wants_grad)
+        else:
+            for slot, w in zip(traced.slots, wants_grad):
+                if w and slot.kind == "input":
+                    raise ShardingError(
+                        "an example input requires grad, but training with dynamic_shapes is not supported yet; "
+                        "shard without dynamic_shapes to train, or pass inputs that do not require grad"
+                    )
     gm = run_passes(traced.gm, ctx)
     tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
     return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), training, mesh, info, placements,

@@ -102,7 +102,7 @@ def all_gather(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh
         g = e.op(aten.view.default, g, [n, p.outer, m] + rest)
         g = e.contiguous(e.op(aten.permute.default, g, [1, 0, 2] + list(range(3, 3 + len(rest)))))
         g = e.op(aten.view.default, g, [e.arith(operator.mul, ld, n)] + rest)
-    return e.op(aten.permute.default, g, _inverse(perm)) if p.dim != 0 else g
+    return e.contiguous(e.op(aten.permute.default, g, _inverse(perm))) if p.dim != 0 else g
 
 
 def _rs_front(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, n: int, contiguous: bool
@@ -127,7 +127,7 @@ def reduce_scatter(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, 
     xf, perm = _rs_front(e, x, lshape, p, n, contiguous)
     r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, nbytes, "sum", n,
                mesh.group_names[a])
-    return e.op(aten.permute.default, r, _inverse(perm)) if p.dim != 0 else r
+    return e.contiguous(e.op(aten.permute.default, r, _inverse(perm))) if p.dim != 0 else r
 
 
 def all_reduce(e: Emitter, x: fx.Node, lshape: Sequence[Dim], op: str, a: int, mesh: MeshInfo, itemsize: int,

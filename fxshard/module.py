@@ -166,6 +166,14 @@ class ShardedModule(nn.Module):
                     )
             outs = _RunSharded.apply(tr, *feed)
         else:
+            if tr is None and torch.is_grad_enabled() and any(
+                isinstance(x, torch.Tensor) and x.requires_grad for x in feed
+            ):
+                raise ShardingError(
+                    "this module was sharded for inference only (dynamic_shapes were given, and training with "
+                    "dynamic shapes is not supported yet); run it under torch.no_grad(), or shard without "
+                    "dynamic_shapes to train"
+                )
             outs = self._fwd.gm(*feed)
         return pytree.tree_unflatten(list(outs), self._traced.out_tree)
 

@@ -84,3 +84,28 @@ def test_seed004_only_linear_sharded():
         assert res["w"] == (512, 8 * 8 * 8)
         assert res["conv"] == (8, 3, 3, 3)
         assert res["stats"]["forward"] == {"all_gather": {"count": 1, "bytes": 4 * 1024 * 4}}
+
+
+def _dynamic_batch(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.Transformer(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    sm = fxshard.shard(model, mesh, transformer_plan(2), example_inputs=(models.make_tokens(2, 8, 64),),
+                       dynamic_shapes=({0: batch},))
+    errs = {}
+    with torch.no_grad():
+        for b in (2, 4, 6):
+            t = models.make_tokens(b, 8, 64, seed=b)
+            errs[b] = (sm(t) - model(t)).abs().max().item()
+    try:
+        sm(models.make_tokens(2, 8, 64)).sum()  # grad mode with trainable params: not supported with dynamic shapes
+        train_error = ""
+    except fxshard.ShardingError as e:
+        train_error = str(e)
+    return {"errs": errs, "train_error": train_error}
+
+
+def test_dynamic_batch_runs_new_sizes_without_resharding():
+    for res in run_ranks(_dynamic_batch, 2):
+        assert all(e <= TOL for e in res["errs"].values()), res
+        assert "torch.no_grad()" in res["train_error"]
