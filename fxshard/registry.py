@@ -79,12 +79,15 @@ def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None):
     ops_list = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
 
     def deco(fn: Rule) -> Rule:
-        for op in ops_list:
+        for op in ops_list:  # check all first: a failed registration changes nothing
             if op in _RULES:
                 raise ShardingError(
                     f"{op} already has a sharding rule ({_RULES[op].__module__}.{_RULES[op].__name__}); "
                     f"an op may be registered once: extend the existing rule instead"
                 )
+        if len(set(ops_list)) != len(ops_list):
+            raise ShardingError(f"register() got the same op twice in {ops_list}")
+        for op in ops_list:
             _RULES[op] = fn
         return fn
 

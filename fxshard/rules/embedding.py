@@ -6,7 +6,7 @@ import torch
 
 from ..placements import Part, R, S
 from ..registry import OpCall, Strategy, norm_dim, register
-from ..symbolic import divides
+from ..symbolic import divides, equal
 
 aten = torch.ops.aten
 
@@ -59,13 +59,17 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
     self_shape, values_shape = call.in_shapes[0], call.in_shapes[-1]
     idx_r = (R,) * n_tensor_idx
     res = [Strategy((R,) * k, R)]
-    lead = len(values_shape) - (len(self_shape) - n_idx)
     for d in range(n_idx, len(self_shape)):
         if divides(self_shape[d], n):
-            res.append(Strategy((S(d),) + idx_r + (S(lead + d - n_idx),), S(d)))
+            j = len(values_shape) - (len(self_shape) - d)  # values broadcast into self's trailing dims
+            broadcast = j < 0 or (equal(values_shape[j], 1) and not equal(self_shape[d], 1))
+            res.append(Strategy((S(d),) + idx_r + (R if broadcast else S(j),), S(d)))
     if accumulate:
         res.append(Strategy((Part(),) + idx_r + (Part(),), Part()))
-        if n_idx == 1 and n_tensor_idx == 1 and divides(self_shape[0], n):
+        # the masked write zeroes the values rows of missed indices: values must have a row per index
+        full = n_tensor_idx == 1 and len(values_shape) == len(call.in_shapes[1]) + len(self_shape) - 1 and all(
+            equal(a, b) for a, b in zip(values_shape, tuple(call.in_shapes[1]) + tuple(self_shape[1:])))
+        if n_idx == 1 and full and divides(self_shape[0], n):
             res.append(Strategy((S(0),) + idx_r + (R,), S(0), lowering="masked_index_put"))
     return res
 

@@ -1,0 +1,406 @@
+"""The passes on the fake process group: propagate, redistribute, localize, and the whole pipeline.
+
+Everything here plans for N ranks inside one process (``conftest.fake_world``):
+no real communication, so these tests check graphs, specs, local shapes and
+collective counts, not numbers (``test_forward_parity.py`` does numbers).
+Models are frozen (``requires_grad_(False)``) so ``shard`` builds the inference
+program only.
+
+``check_invariants`` is the verifier of the design brief; every test that
+produces a graph runs it, after each pass where the test drives the passes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+import fxshard
+from fxshard import ColwiseParallel, P, RowwiseParallel
+from fxshard.collectives import COMM_KEY, INSERTED_KEY
+from fxshard.context import ShardContext
+from fxshard.mesh import MeshInfo
+from fxshard.passes.annotate import annotate
+from fxshard.passes.emit import emit
+from fxshard.passes.localize import localize
+from fxshard.passes.propagate import FALLBACK_KEY, IN_KEY, STRATEGY_KEY, propagate
+from fxshard.passes.redistribute import redistribute
+from fxshard.passes.trace import trace_forward
+from fxshard.placements import Part, R, S
+from fxshard.plan import resolve_plan, to_placements
+from fxshard.registry import tensor_inputs
+from fxshard.spec import META_KEY, Spec
+from fxshard.symbolic import sym_shape
+from tests import models
+from tests.conftest import fake_world
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+PS = Part("sum")
+GOLDEN = Path(__file__).parent / "golden"
+TOY_PLAN = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+COLLECTIVES = {
+    c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+    c10d.all_to_all_single.default, c10d.broadcast.default,
+}
+
+
+def transformer_plan(n_layers: int) -> dict:
+    """Megatron TP: q/k/v and w1 colwise, wo and w2 rowwise, the (tied) embedding vocab-split."""
+    plan: dict = {"tok_emb": RowwiseParallel()}
+    for i in range(n_layers):
+        plan.update({f"layers.{i}.attn.w{p}": ColwiseParallel() for p in "qkv"})
+        plan[f"layers.{i}.attn.wo"] = RowwiseParallel()
+        plan[f"layers.{i}.mlp.w1"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.w2"] = RowwiseParallel()
+    return plan
+
+
+def toy() -> nn.Module:
+    return models.ToyModel(16, 32).requires_grad_(False)
+
+
+def toy_x() -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+
+
+def transformer(n_layers: int = 1, **kw: Any) -> nn.Module:
+    cfg = dict(vocab=64, dim=32, n_heads=4, n_layers=n_layers, max_seq=16)
+    cfg.update(kw)
+    return models.Transformer(**cfg).requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- verifier
+
+
+def _same_local(have: tuple, want: tuple, coords: Sequence[int]) -> bool:
+    """Whether a value laid out as ``have`` is, on this rank, already laid out as ``want``.
+
+    Besides equality, one transition needs no code: a replicated value *is* a valid partial term
+    where the reduction is max/min, and for sum on the rank with coordinate 0 (the others hold zeros).
+    """
+    return all(h == w or (h == R and isinstance(w, Part) and (w.op != "sum" or c == 0))
+               for h, w, c in zip(have, want, coords))
+
+
+def check_invariants(gm: fx.GraphModule, stage: str = "emit", coords: Optional[Sequence[int]] = None) -> None:
+    """The invariants between passes (``stage`` names the pass that just ran; ``coords`` is this
+    rank's mesh coordinate, default all zeros).
+
+    * the graph lints;
+    * every tensor-valued node has a Spec of its global shape (tuples for multi-output ops), except
+      nodes fxshard inserted;
+    * after redistribute: every collective carries its reason and has exactly one user, a
+      ``wait_tensor``; every ``wait_tensor`` waits on a collective; no node reads a placeholder laid
+      out differently from what its strategy requires, nor any other input (inputs that a
+      lowering replaced by inserted code aside).
+    """
+    gm.graph.lint()
+    n_axes: set[int] = set()
+    for n in gm.graph.nodes:
+        if n.op not in ("placeholder", "call_function") or n.meta.get(INSERTED_KEY):
+            continue
+        val, spec = n.meta.get("val"), n.meta.get(META_KEY)
+        if isinstance(val, torch.Tensor):
+            assert isinstance(spec, Spec), f"{stage}: {n.name} has no spec"
+            assert tuple(spec.shape) == sym_shape(val), f"{stage}: {n.name} spec shape {spec.shape}"
+            n_axes.add(len(spec.placements))
+        elif isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
+            assert isinstance(spec, tuple) and len(spec) == len(val), f"{stage}: {n.name} has no specs"
+            for v, s in zip(val, spec):
+                assert isinstance(s, Spec) == isinstance(v, torch.Tensor), f"{stage}: {n.name} {spec}"
+    assert len(n_axes) == 1, f"{stage}: specs disagree on the number of mesh axes {n_axes}"
+    coords = tuple(coords) if coords is not None else (0,) * n_axes.pop()
+    if stage == "propagate":
+        for n in gm.graph.nodes:
+            assert n.target not in COLLECTIVES
+        return
+    for n in gm.graph.nodes:
+        if n.target in COLLECTIVES:
+            assert COMM_KEY in n.meta and n.meta[COMM_KEY]["consumer"], f"{n.name} has no reason"
+            users = list(n.users)
+            assert len(users) == 1 and users[0].target is c10d.wait_tensor.default, f"{n.name} users {users}"
+        if n.target is c10d.wait_tensor.default:
+            assert n.args[0].target in COLLECTIVES, f"{n.name} waits on {n.args[0]}"
+        req = n.meta.get(IN_KEY)
+        if req is None:
+            continue
+        ins = tensor_inputs(n)
+        lowered = any(st.lowering for st in n.meta.get(STRATEGY_KEY, ()))
+        if len(ins) != len(req):
+            assert lowered and stage in ("localize", "emit"), f"{n.name}: {len(ins)} inputs, {len(req)} needs"
+        for i, (inp, want) in enumerate(zip(ins, req)):
+            spec = inp.meta.get(META_KEY)
+            if inp.op == "placeholder":
+                assert _same_local(spec.placements, tuple(want), coords), \
+                    f"{n.name} reads placeholder {inp.name} ({spec}) but needs {want}"
+            elif isinstance(spec, Spec) and len(ins) == len(req):
+                assert _same_local(spec.placements, tuple(want), coords), \
+                    f"{n.name} input {i} {inp.name} is {spec}, needs {want}"
+
+
+def prepare(model: nn.Module, mesh, plan: Optional[dict], inputs: tuple, in_specs: Any = None,
+            out_spec: Any = None) -> tuple[fx.GraphModule, ShardContext]:
+    """Trace and annotate like ``fxshard.shard`` does; the caller runs the passes."""
+    info = MeshInfo.of(mesh)
+    pls = resolve_plan(plan, model, info)
+    traced = trace_forward(model, inputs, {})
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    leaves = pytree.tree_leaves(out.args[0])
+    req = [to_placements(out_spec, info, leaf.meta["val"].dim(), "out") for leaf in leaves]  # None: replicated
+    return traced.gm, annotate(traced, info, pls, inputs, {}, in_specs, req)
+
+
+def run_all(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+    for p in (propagate, redistribute, localize, emit):
+        gm = p(gm, ctx)
+        check_invariants(gm, p.__name__, ctx.mesh.coords)
+    return gm
+
+
+def shard_checked(model, mesh, plan, inputs, **kw) -> fxshard.ShardedModule:
+    """``fxshard.shard`` with the invariants checked on every program it built."""
+    sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, **kw)
+    for prog in sm._programs():
+        check_invariants(prog.gm, coords=mesh.get_coordinate())
+    return sm
+
+
+def spec(n: fx.Node):
+    s = n.meta[META_KEY]
+    return s.placements if isinstance(s, Spec) else tuple(x.placements if x is not None else None for x in s)
+
+
+def ops(gm: fx.GraphModule, target: Any) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target is target and not n.meta.get(INSERTED_KEY)]
+
+
+def forward_comms(sm) -> dict:
+    return {k: v["count"] for k, v in fxshard.comm_stats(sm)["forward"].items()}
+
+
+# ----------------------------------------------------------------------------- the fixture itself
+
+
+def test_fake_world_can_change_size_after_destroy():
+    for n, rank in ((2, 1), (8, 5), (3, 0)):
+        with fake_world(n, rank=rank) as mesh:
+            assert dist.get_world_size() == n and dist.get_rank() == rank
+            assert mesh.size() == n and list(mesh.get_coordinate()) == [rank]
+        assert not dist.is_initialized()
+    with fake_world(4, rank=3, shape=(2, 2), names=("dp", "tp")) as mesh:
+        assert mesh.mesh_dim_names == ("dp", "tp") and list(mesh.get_coordinate()) == [1, 1]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("n", [2, 64])
+def test_fixture_gives_a_fresh_world(fake_mesh, n):
+    mesh = fake_mesh(n)
+    assert dist.get_world_size() == n and mesh.shape == (n,)
+
+
+# ----------------------------------------------------------------------------- propagate
+
+
+def test_propagate_toy_model(mesh2):
+    gm, ctx = prepare(toy(), mesh2, TOY_PLAN, (toy_x(),))
+    propagate(gm, ctx)
+    check_invariants(gm, "propagate")
+    ph = {n.name: spec(n) for n in gm.graph.nodes if n.op == "placeholder"}
+    assert ph == {"p_net1_weight": (S(0),), "p_net1_bias": (S(0),), "p_net2_weight": (S(1),),
+                  "p_net2_bias": (R,), "x": (R,)}
+    a1, a2 = ops(gm, aten.addmm.default)
+    assert spec(a1) == (S(1),)
+    assert spec(ops(gm, aten.relu.default)[0]) == (S(1),)
+    assert spec(a2) == (PS,)  # rowwise: partial sums stay partial until something needs them
+    assert a2.meta[IN_KEY] == [(PS,), (S(1),), (S(0),)]  # the bias joins the partial sum once
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.meta[IN_KEY] == [(R,)]
+
+
+def test_propagate_transformer_heads_and_attention(mesh2):
+    gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
+    propagate(gm, ctx)
+    check_invariants(gm, "propagate")
+    by_shape: dict = {}
+    for n in gm.graph.nodes:
+        if isinstance(n.meta.get(META_KEY), Spec) and n.op == "call_function":
+            by_shape.setdefault((n.target, tuple(n.meta[META_KEY].shape)), set()).add(spec(n))
+    assert by_shape[(aten.view.default, (2, 16, 4, 8))] == {(S(2),)}  # heads split through the view
+    assert by_shape[(aten.permute.default, (2, 4, 16, 8))] == {(S(1),)}  # ... and the transpose
+    assert by_shape[(aten.bmm.default, (8, 16, 16))] == {(S(0, 2),)}  # [B*H] merge with H split
+    assert by_shape[(aten.amax.default, (2, 4, 16, 1))] == {(S(1),)}  # softmax stays local per head
+    emb_tok, emb_pos = ops(gm, aten.embedding.default)
+    assert spec(emb_tok) == (PS,)
+    assert [st.lowering for st in emb_tok.meta[STRATEGY_KEY]] == ["masked_embedding"]
+    assert spec(emb_pos) == (R,)
+    for ln in ops(gm, aten.native_layer_norm.default):
+        assert ln.meta[IN_KEY][0] == (R,)
+    (logits,) = ops(gm, aten.mm.default)
+    assert spec(logits) == (S(1),)  # the tied, vocab-split head
+    assert not any(n.meta.get(FALLBACK_KEY) for n in gm.graph.nodes)
+    assert ctx.fallbacks == []
+
+
+def test_seeds_are_never_changed(mesh2):
+    gm, ctx = prepare(toy(), mesh2, {"net1.weight": P(None, "tp")}, (toy_x(),), in_specs=P("tp", None))
+    propagate(gm, ctx)
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            assert spec(n) == ctx.seeds[n.name]
+    assert spec(next(n for n in gm.graph.nodes if n.name == "x")) == (S(0),)
+
+
+# ----------------------------------------------------------------------------- redistribute
+
+
+def test_redistribute_toy_megatron_one_all_reduce(mesh2):
+    sm = shard_checked(toy(), mesh2, TOY_PLAN, (toy_x(),))
+    assert fxshard.comm_stats(sm)["forward"] == {"all_reduce": {"count": 1, "bytes": 8 * 16 * 4}}
+    (c,) = [n for n in sm._programs()[0].gm.graph.nodes if COMM_KEY in n.meta]
+    assert c.meta[COMM_KEY]["src"] == "P(sum)" and c.meta[COMM_KEY]["dst"] == "R"
+
+
+@pytest.mark.parametrize("in_specs,out_specs,plan,expected", [
+    (P("tp", None), P("tp", None), None, {}),  # data parallel: nothing to communicate
+    (P("tp", None), None, None, {"all_gather": 1}),  # ... but a replicated result is gathered
+    (None, P(None, "tp"), TOY_PLAN, {"reduce_scatter": 1}),  # partial sums straight into a split
+    (None, None, {"net1": ColwiseParallel()}, {"all_reduce": 1}),  # net2 weight sliced locally, not x gathered
+])
+def test_redistribute_counts(mesh2, in_specs, out_specs, plan, expected):
+    sm = shard_checked(toy(), mesh2, plan, (toy_x(),), in_specs=in_specs, out_specs=out_specs)
+    assert forward_comms(sm) == expected
+
+
+def test_redistribute_transformer_two_all_reduces_per_layer(mesh2):
+    n_layers = 2
+    sm = shard_checked(transformer(n_layers), mesh2, transformer_plan(n_layers), (models.make_tokens(2, 16, 64),))
+    # Megatron's 2 per layer, plus the vocab-split embedding's partial sum; logits gathered once for the output
+    assert forward_comms(sm) == {"all_reduce": 2 * n_layers + 1, "all_gather": 1}
+    reasons = [c["op"] for c in fxshard.inspect.collectives(sm._programs()[0])]
+    assert reasons.count("aten.native_layer_norm.default") == 2 * n_layers + 1
+    assert reasons[-1] == "output"
+
+
+def test_redistribute_2d_mesh(fake_mesh):
+    mesh = fake_mesh(4, rank=2, shape=(2, 2), names=("dp", "tp"))
+    sm = shard_checked(toy(), mesh, TOY_PLAN, (toy_x(),), in_specs=P("dp", None), out_specs=P("dp", None))
+    comms = fxshard.inspect.collectives(sm._programs()[0])
+    assert [(c["kind"], c["axis"]) for c in comms] == [("all_reduce", "tp")]
+    assert comms[0]["bytes"] == 4 * 16 * 4  # the local batch half
+    assert tuple(sm.net1.weight.shape) == (16, 16)
+
+
+# ----------------------------------------------------------------------------- localize
+
+
+def test_localize_rewrites_head_count(mesh2):
+    gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
+    gm = propagate(gm, ctx)
+    gm = redistribute(gm, ctx)
+    check_invariants(gm, "redistribute", ctx.mesh.coords)
+    heads = [n for n in ops(gm, aten.view.default) if len(n.args[1]) == 4 and n.args[1][2] == 4]
+    assert len(heads) == 3 and all(list(n.args[1]) == [2, 16, 4, 8] for n in heads)
+    merged = [n for n in ops(gm, aten.view.default) if list(n.args[1]) == [8, 16, 8]]
+    assert merged
+    gm = localize(gm, ctx)
+    check_invariants(gm, "localize", ctx.mesh.coords)
+    assert all(list(n.args[1]) == [2, 16, 2, 8] for n in heads)  # 4 heads -> 2 per rank
+    assert all(list(n.args[1]) == [4, 16, 8] for n in merged)  # B*H = 8 -> 4 (strided split)
+    for n in ops(gm, aten.view.default) + ops(gm, aten.expand.default):  # every size matches the local shape
+        assert list(n.args[1]) == [int(s) for s in n.meta[META_KEY].local_shape(ctx.mesh.sizes)], n.name
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_localize_masked_embedding_offset_is_per_rank(fake_mesh, rank):
+    mesh = fake_mesh(2, rank=rank)
+    gm, ctx = prepare(transformer(1), mesh, transformer_plan(1), (models.make_tokens(2, 16, 64),))
+    gm = run_all(gm, ctx)
+    emb = ops(gm, aten.embedding.default)[0]
+    idx = emb.args[1]
+    assert idx.target is aten.masked_fill.Scalar and idx.meta.get(INSERTED_KEY)
+    shifted = idx.args[0]
+    assert shifted.target is aten.sub.Tensor and shifted.args[1] == 32 * rank  # this rank's vocab offset
+    ge = [n for n in gm.graph.nodes if n.target is aten.ge.Scalar and n.args[0] is shifted]
+    assert ge and ge[0].args[1] == 32  # local vocab size
+    (user,) = emb.users
+    assert user.target is aten.masked_fill.Scalar and user.args[2] == 0.0  # misses contribute zero
+
+
+class _MeanOfColwise(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x).mean(-1)
+
+
+def test_localize_mean_over_split_dim_divides_by_ranks(fake_mesh):
+    mesh = fake_mesh(4)
+    sm = shard_checked(_MeanOfColwise().requires_grad_(False), mesh, {"l": ColwiseParallel()}, (toy_x(),))
+    gm = sm._programs()[0].gm
+    (mean,) = ops(gm, aten.mean.dim)
+    (div,) = mean.users
+    assert div.target is aten.div.Scalar and div.args[1] == 4 and div.meta.get(INSERTED_KEY)
+    assert forward_comms(sm) == {"all_reduce": 1}
+
+
+# ----------------------------------------------------------------------------- golden explain()
+
+
+def assert_golden(text: str, name: str) -> None:
+    """Compare ``text`` with ``tests/golden/<name>``; ``EXPECTTEST_ACCEPT=1`` rewrites the file."""
+    path = GOLDEN / name
+    if os.environ.get("EXPECTTEST_ACCEPT", "") not in ("", "0"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return
+    assert path.exists(), f"{path} is missing; run with EXPECTTEST_ACCEPT=1 to create it"
+    expected = path.read_text()
+    if text != expected:
+        diff = "\n".join(difflib.unified_diff(expected.splitlines(), text.splitlines(), "golden", "actual",
+                                              lineterm=""))
+        pytest.fail(f"explain() differs from {path} (EXPECTTEST_ACCEPT=1 accepts the new text):\n{diff}")
+
+
+def test_golden_explain_toy_tp2(mesh2):
+    sm = shard_checked(toy(), mesh2, TOY_PLAN, (toy_x(),))
+    assert_golden(fxshard.explain(sm) + "\n", "explain_toy_tp2.txt")
+
+
+# ----------------------------------------------------------------------------- 64 ranks in one process
+
+
+def test_plan_64_ranks_in_one_process(fake_mesh):
+    rank = 37
+    mesh = fake_mesh(64, rank=rank)
+    n_layers, dim, vocab = 2, 128, 128
+    model = transformer(n_layers, vocab=vocab, dim=dim, n_heads=64)
+    sm = shard_checked(model, mesh, transformer_plan(n_layers), (models.make_tokens(2, 16, vocab),))
+    shapes = {n: tuple(p.shape) for n, p in sm.named_parameters()}
+    for i in range(n_layers):
+        for w in "qkv":
+            assert shapes[f"layers.{i}.attn.w{w}.weight"] == (dim // 64, dim)
+            assert shapes[f"layers.{i}.attn.w{w}.bias"] == (dim // 64,)
+        assert shapes[f"layers.{i}.attn.wo.weight"] == (dim, dim // 64)
+        assert shapes[f"layers.{i}.mlp.w1.weight"] == (4 * dim // 64, dim)
+        assert shapes[f"layers.{i}.mlp.w2.weight"] == (dim, 4 * dim // 64)
+        assert shapes[f"layers.{i}.attn.wo.bias"] == (dim,)
+    assert shapes["tok_emb.weight"] == (vocab // 64, dim)
+    assert sm.output.weight is sm.tok_emb.weight
+    assert forward_comms(sm) == {"all_reduce": 2 * n_layers + 1, "all_gather": 1}
+    gm = sm._programs()[0].gm
+    heads = [n for n in ops(gm, aten.view.default) if n.meta[META_KEY].shape == (2, 16, 64, 2)]
+    assert len(heads) == 3 * n_layers and all(list(n.args[1]) == [2, 16, 1, 2] for n in heads)  # one head per rank
+    shifted = ops(gm, aten.embedding.default)[0].args[1].args[0]
+    assert shifted.args[1] == rank * (vocab // 64)
