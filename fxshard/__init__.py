@@ -1,17 +1,22 @@
 """fxshard: JAX/GSPMD-style sharding for PyTorch over ATen-level torch.fx graphs."""
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from . import rules as _rules  # noqa: F401  (registers every op rule)
 from .api import shard
+from .constrain import constrain
 from .errors import ShardingError
 from .inspect import comm_stats, explain
 from .mesh import init_mesh
 from .module import ShardedModule
 from .placements import P
+from .styles import (
+    ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+    SequenceParallel,
+)
 
 __all__ = [
-    "P", "Shard", "Replicate", "Partial", "ColwiseParallel", "RowwiseParallel",
+    "P", "Shard", "Replicate", "Partial", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "explain", "comm_stats",
 ]

@@ -23,7 +23,7 @@ from .passes.redistribute import redistribute
 from .passes.trace import Traced, trace_forward
 from .placements import Pl, R
 from .registry import output_leaves
-from .plan import resolve_plan, to_placements
+from .plan import resolve_boundaries, resolve_plan, to_placements
 from .symbolic import sym_shape
 
 __all__ = ["shard", "PASSES", "run_passes"]
@@ -74,7 +74,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     param_pls = resolve_plan(plan, model, info)
-    traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes)
+    traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes, resolve_boundaries(plan, model, info))
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info))
 
     placements: dict[str, tuple[Pl, ...]] = {}
@@ -117,7 +117,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool]) -
     joint = trace_joint(traced, traced.gm, wants_grad)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training")
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints))
     for f, j in zip(fwd_ph, joint_ph):
         if f.name in ctx.seeds:
             jctx.seeds[j.name] = ctx.seeds[f.name]

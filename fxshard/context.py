@@ -18,11 +18,13 @@ class ShardContext:
     ``seeds`` maps placeholder (or constrained node) names to frozen
     placements; ``out_required[i]`` is the placements output leaf ``i`` must
     have (None: whatever propagation chose). ``fallbacks`` lists ops computed
-    replicated for lack of a rule.
+    replicated for lack of a rule. ``constraints`` maps ``fxshard::constrain`` keys to the
+    placements they pin (None: axis left free).
     """
 
     mesh: MeshInfo
     seeds: dict[str, tuple[Pl, ...]] = field(default_factory=dict)
     out_required: list[Optional[tuple[Pl, ...]]] = field(default_factory=list)
+    constraints: dict[str, tuple[Optional[Pl], ...]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     label: str = "forward"

@@ -19,8 +19,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .placements import P, Part, Pl, R, Replicated, S, from_torch
+from .styles import STYLE_TYPES, AxisSpec, Boundary, boundary_of
 
-__all__ = ["resolve_plan", "to_placements", "is_spec_leaf", "style_axis"]
+__all__ = ["resolve_plan", "resolve_boundaries", "to_placements", "is_spec_leaf", "style_axis", "constraint_placements"]
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -67,6 +68,22 @@ def to_placements(spec: Any, mesh: MeshInfo, ndim: int, what: str) -> tuple[Pl, 
     raise ShardingError(
         f"{what}: {spec!r} is not a sharding spec; use P('tp', None), Shard(0), Replicate() or a ParallelStyle"
     )
+
+
+def constraint_placements(spec: Any, mesh: MeshInfo, ndim: int, what: str) -> tuple[Optional[Pl], ...]:
+    """Placements a constraint asks for; ``None`` marks a mesh axis it leaves free."""
+    if isinstance(spec, AxisSpec):
+        pls: list[Optional[Pl]] = [None] * len(mesh.sizes)
+        p = from_torch(spec.placement, ndim)
+        if isinstance(p, S) and not 0 <= p.dim < ndim:
+            raise ShardingError(f"{what}: {spec.placement!r} names a dim the {ndim}-dim tensor does not have")
+        pls[spec.axis] = p
+        return tuple(pls)
+    if isinstance(spec, (tuple, list)) and not isinstance(spec, P) and any(p is None for p in spec):
+        if len(spec) != len(mesh.sizes):
+            raise ShardingError(f"{what}: {len(spec)} placements given for a mesh with {len(mesh.sizes)} axes")
+        return tuple(None if p is None else from_torch(p, ndim) for p in spec)
+    return to_placements(spec, mesh, ndim, what)
 
 
 def style_axis(style: Any, mesh: MeshInfo, key: str) -> int:
@@ -126,20 +143,11 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
     for key, spec in plan.items():
         if not isinstance(key, str):
             raise ShardingError(f"plan key {key!r} is not a string; keys are FQN globs like 'layers.*.wq'")
-        if isinstance(spec, ParallelStyle) or hasattr(spec, "_fxshard_style"):
-            hits = [m for m in modules if m and fnmatch.fnmatchcase(m, key)]
-            if not hits:
-                raise ShardingError(
-                    f"plan entry {key!r} ({type(spec).__name__}) matches no submodule of {type(model).__name__}; "
-                    f"module names look like {_examples(modules)}"
-                )
-            if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
-                raise ShardingError(
-                    f"plan entry {key!r}: {type(spec).__name__} is not supported yet; use ColwiseParallel, "
-                    f"RowwiseParallel or P(...) specs on parameters"
-                )
+        if isinstance(spec, ParallelStyle):
             axis = style_axis(spec, mesh, key)
-            for fqn in hits:
+            for fqn in _style_hits(key, spec, modules, model):
+                if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
+                    continue  # SequenceParallel and Prepare* keep parameters replicated
                 for pname, dim in _style_param_dims(spec, modules[fqn], key, fqn).items():
                     t = getattr(modules[fqn], pname, None)
                     if t is None:
@@ -160,6 +168,33 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
             )
         for fqn in hits:
             assign(fqn, to_placements(spec, mesh, tensors[fqn].dim(), f"plan entry {key!r} ({fqn})"), key)
+    return out
+
+
+def _style_hits(key: str, style: Any, modules: Mapping[str, nn.Module], model: nn.Module) -> list[str]:
+    if not isinstance(style, STYLE_TYPES):
+        raise ShardingError(
+            f"plan entry {key!r}: {type(style).__name__} is not a supported ParallelStyle; use ColwiseParallel, "
+            f"RowwiseParallel, SequenceParallel, PrepareModuleInput/Output/InputOutput or P(...) specs"
+        )
+    hits = [m for m in modules if fnmatch.fnmatchcase(m, key)]
+    if not hits:
+        raise ShardingError(
+            f"plan entry {key!r} ({type(style).__name__}) matches no submodule of {type(model).__name__}; "
+            f"module names look like {_examples(modules)}"
+        )
+    return hits
+
+
+def resolve_boundaries(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: MeshInfo) -> dict[str, list[Boundary]]:
+    """Module FQN -> the input/output constraints its styles impose (in plan order)."""
+    out: dict[str, list[Boundary]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for key, spec in (plan or {}).items():
+        if isinstance(spec, ParallelStyle):
+            axis = style_axis(spec, mesh, key)
+            for fqn in _style_hits(key, spec, modules, model):
+                out.setdefault(fqn, []).append(boundary_of(spec, modules[fqn], axis, key))
     return out
 
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 import fxshard
-from fxshard import ColwiseParallel, P, RowwiseParallel
+from fxshard import ColwiseParallel, P, RowwiseParallel, Shard
 from fxshard.collectives import COMM_KEY, INSERTED_KEY
 from fxshard.context import ShardContext
 from fxshard.mesh import MeshInfo
@@ -273,7 +273,11 @@ def test_redistribute_toy_megatron_one_all_reduce(mesh2):
 @pytest.mark.parametrize("in_specs,out_specs,plan,expected", [
     (P("tp", None), P("tp", None), None, {}),  # data parallel: nothing to communicate
     (P("tp", None), None, None, {"all_gather": 1}),  # ... but a replicated result is gathered
-    (None, P(None, "tp"), TOY_PLAN, {"reduce_scatter": 1}),  # partial sums straight into a split
+    # Rowwise's output_layouts (default Replicate) is honoured: all_reduce, then a free local slice
+    (None, P(None, "tp"), TOY_PLAN, {"all_reduce": 1}),
+    # ... and asking the style for a split output turns the partial sums straight into it
+    (None, P(None, "tp"), {"net1": ColwiseParallel(), "net2": RowwiseParallel(output_layouts=Shard(-1))},
+     {"reduce_scatter": 1}),
     (None, None, {"net1": ColwiseParallel()}, {"all_reduce": 1}),  # net2 weight sliced locally, not x gathered
 ])
 def test_redistribute_counts(mesh2, in_specs, out_specs, plan, expected):
@@ -287,7 +291,8 @@ def test_redistribute_transformer_two_all_reduces_per_layer(mesh2):
     # Megatron's 2 per layer, plus the vocab-split embedding's partial sum; logits gathered once for the output
     assert forward_comms(sm) == {"all_reduce": 2 * n_layers + 1, "all_gather": 1}
     reasons = [c["op"] for c in fxshard.inspect.collectives(sm._programs()[0])]
-    assert reasons.count("aten.native_layer_norm.default") == 2 * n_layers + 1
+    # RowwiseParallel's default output_layouts=Replicate() pins each all_reduce to the module boundary
+    assert reasons.count("constraint") == 2 * n_layers + 1
     assert reasons[-1] == "output"
 
 

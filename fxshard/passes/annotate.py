@@ -19,9 +19,10 @@ from ..context import ShardContext
 from ..errors import ShardingError
 from ..mesh import MeshInfo
 from ..placements import Pl, R, S
-from ..plan import is_spec_leaf, to_placements
+from ..constrain import CONSTRAIN_OP, constraint_spec
+from ..plan import constraint_placements, is_spec_leaf, to_placements
 from ..symbolic import divides, sym_shape
-from .trace import Traced
+from .trace import Traced, source_line
 
 __all__ = ["annotate", "spec_leaves", "check_divisible"]
 
@@ -91,4 +92,9 @@ def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]
             pls = (R,) * len(mesh.sizes)
         ctx.seeds[node.name] = pls
     ctx.out_required = list(out_required)
+    for node in traced.gm.graph.nodes:
+        if node.op == "call_function" and node.target is CONSTRAIN_OP:
+            key = node.args[1]
+            ctx.constraints[key] = constraint_placements(
+                constraint_spec(key), mesh, node.meta["val"].dim(), f"constraint at {source_line(node) or node.name}")
     return ctx

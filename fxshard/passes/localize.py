@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..collectives import INSERTED_KEY, Emitter
+from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
 from ..errors import ShardingError
 from ..placements import S
@@ -154,6 +155,10 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     sizes = ctx.mesh.sizes
     for node in list(g.nodes):
         if node.op != "call_function" or node.meta.get(INSERTED_KEY):
+            continue
+        if node.target is CONSTRAIN_OP:  # its input already arrives in the pinned layout
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
             continue
         if "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": dev}

@@ -28,8 +28,10 @@ from ..cost import transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
 from ..registry import OpCall, Strategy, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
-from ..spec import META_KEY, Spec, shard_factor
+from ..constrain import CONSTRAIN_OP
+from ..spec import META_KEY, Spec, fmt_placements, shard_factor
 from ..symbolic import divides, sym_shape
+from .trace import source_line
 
 __all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
 
@@ -113,6 +115,18 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             base = node.args[0].meta.get(META_KEY)
             if isinstance(base, tuple):
                 node.meta[META_KEY] = base[node.args[1]]
+            continue
+        if node.target is CONSTRAIN_OP:
+            cur = node.args[0].meta[META_KEY]
+            want = tuple(c if w is None else w for w, c in zip(ctx.constraints[node.args[1]], cur.placements))
+            if not _divisible(cur.shape, want, sizes):
+                raise ShardingError(
+                    f"constraint {fmt_placements(want)} at {source_line(node) or node.name} does not divide the "
+                    f"value of shape {tuple(cur.shape)} over mesh axes {dict(zip(mesh.names, sizes))}; "
+                    f"constrain to a layout whose split dims divide evenly"
+                )
+            node.meta[IN_KEY] = [want]
+            node.meta[META_KEY] = cur.with_placements(want)
             continue
         out_shape = out_shape_of(node)
         if out_shape is None or not isinstance(node.target, torch._ops.OpOverload):

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..collectives import Emitter, redistribute_nodes
+from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
 from ..registry import tensor_inputs
 from ..spec import META_KEY, fmt_placements
@@ -40,7 +41,8 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             if key not in done:
                 reason = {
                     "consumer": node.name,
-                    "op": "output" if node.op == "output" else str(node.target),
+                    "op": "output" if node.op == "output" else (
+                        "constraint" if node.target is CONSTRAIN_OP else str(node.target)),
                     "source": "" if node.op == "output" else source_line(node),
                     "value": inp.name,
                     "src": fmt_placements(spec.placements),

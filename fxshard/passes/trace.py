@@ -13,10 +13,11 @@ No real weight is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -24,6 +25,7 @@ from torch._decomp import decompositions as _decomps
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from ..constrain import constraint_scope, record
 from ..errors import ShardingError
 
 aten = torch.ops.aten
@@ -110,8 +112,48 @@ def _to_meta_like(x: Any, device: torch.device) -> Any:
     return x
 
 
-def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None) -> Traced:
-    """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc)."""
+@contextlib.contextmanager
+def _boundary_hooks(model: torch.nn.Module, boundaries: Optional[dict]) -> Iterator[None]:
+    """Record the plan's module-boundary constraints as ``fxshard::constrain`` ops while tracing."""
+    handles = []
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for fqn, bounds in (boundaries or {}).items():
+        def pre(mod, args, kwargs, bounds=bounds):
+            args = list(args)
+            for b in bounds:
+                for i, spec in enumerate(b.inputs[: len(args)]):
+                    args[i] = record(args[i], spec)
+                for k, spec in b.kwargs.items():
+                    if k in kwargs:
+                        kwargs[k] = record(kwargs[k], spec)
+            return tuple(args), kwargs
+
+        def post(mod, args, kwargs, out, bounds=bounds):
+            for b in bounds:
+                if isinstance(out, (tuple, list)):
+                    out = type(out)(record(o, s) for o, s in zip(out, list(b.outputs) + [None] * len(out)))
+                elif b.outputs:
+                    out = record(out, b.outputs[0])
+            return out
+
+        m = modules[fqn]
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True))
+    try:
+        with constraint_scope():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None,
+                  boundaries: Optional[dict] = None) -> Traced:
+    """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc).
+
+    ``boundaries`` (module FQN -> style Boundaries) become ``fxshard::constrain`` ops at those
+    modules' inputs and outputs; ``fxshard.constrain`` calls in model code are recorded too.
+    """
     if not isinstance(model, torch.nn.Module):
         raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
     params = list(model.parameters())
@@ -120,7 +162,8 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         args = pytree.tree_map(lambda x: _to_meta_like(x, dev), args)
         kwargs = pytree.tree_map(lambda x: _to_meta_like(x, dev), kwargs)
     try:
-        ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
+        with _boundary_hooks(model, boundaries):
+            ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
         ep = ep.run_decompositions(decomposition_table())
     except ShardingError:
         raise

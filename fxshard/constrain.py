@@ -1,0 +1,76 @@
+"""``fxshard.constrain``: pin an activation's sharding from inside model code.
+
+Like ``jax.lax.with_sharding_constraint``: outside fxshard tracing it returns
+its input unchanged; while fxshard traces a model it records an identity op
+``fxshard::constrain(x, key)`` whose placements propagation treats as frozen
+(the value is redistributed to them; consumers start from them). The gradient
+passes through unconstrained: propagation picks its layout. The localize pass
+removes the op again, so the per-rank program holds only the collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["constrain", "CONSTRAIN_OP", "constraint_scope", "constraint_spec"]
+
+_SPECS: dict[str, Any] = {}
+_COUNTER = itertools.count()
+_DEPTH = [0]
+
+
+@torch.library.custom_op("fxshard::constrain", mutates_args=())
+def _constrain(x: torch.Tensor, key: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_constrain.register_fake
+def _constrain_fake(x: torch.Tensor, key: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    pass
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    return grad, None
+
+
+_constrain.register_autograd(_backward, setup_context=_setup)
+
+CONSTRAIN_OP = torch.ops.fxshard.constrain.default
+
+
+@contextlib.contextmanager
+def constraint_scope() -> Iterator[None]:
+    """While active (fxshard tracing), ``constrain`` records constraint ops."""
+    _DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1
+
+
+def constraint_spec(key: str) -> Any:
+    """The spec a recorded constraint key stands for."""
+    return _SPECS[key]
+
+
+def constrain(x: torch.Tensor, spec: Any) -> torch.Tensor:
+    """Require ``x`` to be laid out as ``spec`` (``P(...)``, a placement, or one placement per mesh
+    axis, where ``None`` leaves that axis free). Identity when not being sharded by fxshard."""
+    if _DEPTH[0] == 0 or not isinstance(x, torch.Tensor):
+        return x
+    key = f"c{next(_COUNTER)}"
+    _SPECS[key] = spec
+    return _constrain(x, key)
+
+
+def record(x: Any, spec: Optional[Any]) -> Any:
+    """``constrain`` for hooks: skips non-tensors and ``None`` specs."""
+    return constrain(x, spec) if spec is not None and isinstance(x, torch.Tensor) else x
