@@ -4,7 +4,9 @@ Like ``jax.lax.with_sharding_constraint``: outside fxshard tracing it returns
 its input unchanged; while fxshard traces a model it records an identity op
 ``fxshard::constrain(x, key)`` whose placements propagation treats as frozen
 (the value is redistributed to them; consumers start from them). The gradient
-passes through unconstrained: propagation picks its layout. The localize pass
+of a split constraint is pinned to the same layout; that of a replicated one
+is left to propagation (so partial gradients from several consumers are summed
+before one reduction). The localize pass
 removes the op again, so the per-rank program holds only the collectives.
 """
 
@@ -34,10 +36,29 @@ def _constrain_fake(x: torch.Tensor, key: str) -> torch.Tensor:
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
-    pass
+    ctx.key = inputs[1]
+
+
+def _splits(spec: Any) -> bool:
+    """Whether a spec splits some dim (as opposed to only replicating)."""
+    from torch.distributed.tensor import Shard
+
+    from .placements import P, S
+    from .styles import AxisSpec
+
+    if isinstance(spec, AxisSpec):
+        return isinstance(spec.placement, Shard)
+    if isinstance(spec, P):
+        return any(e is not None for e in spec)
+    items = spec if isinstance(spec, (tuple, list)) else (spec,)
+    return any(isinstance(p, (Shard, S)) for p in items)
 
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    # a split layout pins its gradient too (sequence parallel's reduce_scatters in backward); a
+    # replicated one does not, so partial gradients can be summed before their single reduction
+    if _splits(_SPECS.get(ctx.key)):
+        return _constrain(grad, ctx.key), None
     return grad, None
 
 

@@ -73,11 +73,19 @@ def decomposition_table() -> Any:
     return table
 
 
+class _RandomOps:
+    """The op packets CSE must keep apart: any overload tagged ``nondeterministic_seeded``."""
+
+    def __contains__(self, packet: Any) -> bool:
+        return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+            torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
+
+
 def _cse(gm: fx.GraphModule) -> fx.GraphModule:
     """Merge identical pure nodes (export repeats views per consumer), keeping node metadata."""
     from torch.fx.passes.dialect.common.cse_pass import CSEPass
 
-    res = CSEPass()(gm)
+    res = CSEPass(banned_ops=_RandomOps())(gm)  # two draws are two draws: never merge random ops
     out = res.graph_module if res.modified else gm
     out.recompile()
     return out

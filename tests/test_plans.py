@@ -1,0 +1,133 @@
+"""torch's ParallelStyle plans moved over unchanged: torch's test Transformer and seed 003's Llama plan,
+with and without sequence parallel, on 2 real gloo ranks vs the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+)
+
+import fxshard
+from tests import models
+from tests.dist_utils import run_ranks
+from tests.test_training import _max_param_diff, _train
+
+TOL = 1e-5
+
+
+def torch_transformer_plan(use_seq_parallel: bool) -> dict:
+    """The plan ``common_dtensor.Transformer.parallelize`` builds, written as one FQN-glob dict."""
+    if use_seq_parallel:
+        plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),
+            "norm": SequenceParallel(),
+            "layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.feed_forward.w1": ColwiseParallel(input_layouts=Shard(1)),
+            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+    else:
+        plan = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward.w1": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        }
+    for p in ("wq", "wk", "wv"):
+        plan[f"layers.*.attention.{p}"] = ColwiseParallel()
+    return plan
+
+
+def _torch_transformer(rank: int, world: int, seq_parallel: bool) -> dict:
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    args = ModelArgs(n_layers=2, vocab_size=16, max_seq_len=16, dim=16, n_heads=4, dropout_p=0.0, weight_tying=True)
+    model = Transformer(args)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 16, (2, 16), generator=g), torch.randint(0, 16, (2, 16), generator=g)) for _ in range(2)]
+    sm = fxshard.shard(copy.deepcopy(model), mesh, torch_transformer_plan(seq_parallel), example_inputs=(batches[0][0],))
+    with torch.no_grad():
+        fwd_err = (sm(batches[0][0]) - model(batches[0][0])).abs().max().item()
+    loss_fn = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+    ref_l, l = _train(model, sm, batches, loss_fn, "sgd", 3)
+    return {"fwd_err": fwd_err, "loss_err": max(abs(a - b) for a, b in zip(ref_l, l)),
+            "param_err": _max_param_diff(sm.full_state_dict(), model), "stats": fxshard.comm_stats(sm),
+            "heads": model.layers[0].attention.n_heads}
+
+
+def test_torch_test_transformer_with_its_own_plan():
+    for res in run_ranks(_torch_transformer, 2, False):
+        assert res["fwd_err"] <= TOL and res["loss_err"] <= TOL and res["param_err"] <= TOL, res
+        assert res["heads"] == 4  # the model keeps its global head count: no local-head workaround
+        fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
+        # Megatron: 2 all_reduces per layer each way; + token and position embedding partial sums; logits gathered
+        assert fwd == {"all_reduce": fwd["all_reduce"], "all_gather": fwd["all_gather"]}
+        assert fwd["all_reduce"]["count"] == 2 * 2 + 2 and fwd["all_gather"]["count"] == 1
+        assert set(bwd) == {"all_reduce"} and bwd["all_reduce"]["count"] == 2 * 2 + 1
+
+
+def test_torch_test_transformer_sequence_parallel():
+    for res in run_ranks(_torch_transformer, 2, True):
+        assert res["fwd_err"] <= TOL and res["loss_err"] <= TOL and res["param_err"] <= TOL, res
+        fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
+        # Megatron-SP: each layer's all_reduce becomes reduce_scatter + all_gather, both directions
+        assert "all_reduce" not in fwd
+        assert fwd["reduce_scatter"]["count"] == 2 * 2 + 2  # + token / position embeddings into sequence shards
+        assert fwd["all_gather"]["count"] == 2 * 2 + 2  # + the head's input and its replicated logits
+        assert bwd["reduce_scatter"]["count"] == 2 * 2 + 1 and bwd["all_gather"]["count"] == 2 * 2 + 2
+        # the only backward all_reduces are the replicated norm weights' gradients (tiny), as in Megatron-SP
+        assert bwd["all_reduce"]["count"] == 2 * (2 * 2 + 1) and bwd["all_reduce"]["bytes"] <= 10 * 16 * 4
+
+
+def llama_seed003_plan() -> dict:
+    """Seed 003's Llama plan: sequence-parallel norms, PrepareModuleInput on attention and
+    feed-forward, rowwise outputs into sequence shards, loss parallel through a colwise head."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "layers.*.feed_forward": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+
+
+def _llama_seed003(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
+    batches = [(models.make_tokens(2, 16, 64, seed=s), models.make_tokens(2, 16, 64, seed=s + 9)) for s in range(2)]
+    sm = fxshard.shard(copy.deepcopy(model), mesh, llama_seed003_plan(), example_inputs=batches[0])
+    ref_l, l = _train(model, sm, batches, lambda m, b: m(*b), "sgd", 3)
+    return {"loss_err": max(abs(a - b) for a, b in zip(ref_l, l)),
+            "param_err": _max_param_diff(sm.full_state_dict(), model), "stats": fxshard.comm_stats(sm)}
+
+
+def test_seed003_llama_plan_with_sequence_parallel_and_loss_parallel():
+    for res in run_ranks(_llama_seed003, 2):
+        assert res["loss_err"] <= TOL and res["param_err"] <= TOL, res
+        fwd = res["stats"]["forward"]
+        logits_bytes = 2 * 16 * 64 * 4
+        # no all_gather of the logits: loss statistics only (per token), the rest is SP traffic
+        assert fwd["reduce_scatter"]["count"] == 2 * 2 + 1 and fwd["all_gather"]["count"] == 2 * 2 + 1, fwd
+        assert fwd["all_gather"]["bytes"] == (2 * 2 + 1) * 2 * 16 * 32 * 4  # activations only
+        assert fwd["all_reduce"]["bytes"] < logits_bytes / 8, fwd  # max / sum-exp / target logit per token
