@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
+from .consistency import check_same_on_all_ranks, fingerprint
 from .context import ShardContext
 from .errors import ShardingError
 from .mesh import MeshInfo
@@ -73,6 +74,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     info = MeshInfo.of(mesh)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
+    check_same_on_all_ranks(fingerprint(plan, model, info, example_inputs, in_specs, out_specs))
     param_pls = resolve_plan(plan, model, info)
     traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes, resolve_boundaries(plan, model, info))
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info))

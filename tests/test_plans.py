@@ -131,3 +131,20 @@ def test_seed003_llama_plan_with_sequence_parallel_and_loss_parallel():
         assert fwd["reduce_scatter"]["count"] == 2 * 2 + 1 and fwd["all_gather"]["count"] == 2 * 2 + 1, fwd
         assert fwd["all_gather"]["bytes"] == (2 * 2 + 1) * 2 * 16 * 32 * 4  # activations only
         assert fwd["all_reduce"]["bytes"] < logits_bytes / 8, fwd  # max / sum-exp / target logit per token
+
+
+def _mismatched(rank: int, world: int) -> str:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.ToyModel(16, 32)
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel() if rank == 0 else ColwiseParallel()}
+    try:
+        fxshard.shard(model, mesh, plan, example_inputs=(torch.randn(4, 16),))
+    except fxshard.ShardingError as e:
+        return str(e)
+    return ""
+
+
+def test_plan_differing_between_ranks_is_an_error_not_a_hang():
+    msgs = run_ranks(_mismatched, 2, timeout=60)
+    for m in msgs:
+        assert "plan entry 'net2'" in m and "rank 1" in m and "differs" in m, m

@@ -1,0 +1,49 @@
+"""Detect a plan, mesh or model that differs between ranks at ``shard()`` time.
+
+Ranks that traced different programs would wait in different collectives and
+hang; instead every rank exchanges a short description of what it is about to
+shard and all of them raise the same readable error on any difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .errors import ShardingError
+from .mesh import MeshInfo
+
+__all__ = ["fingerprint", "check_same_on_all_ranks"]
+
+
+def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, info: MeshInfo, example_inputs: tuple,
+                in_specs: Any, out_specs: Any) -> dict[str, str]:
+    """Named, comparable descriptions of everything that must agree across ranks."""
+    fp = {"mesh": f"{dict(zip(info.names, info.sizes))}", "in_specs": repr(in_specs), "out_specs": repr(out_specs)}
+    fp["plan entries"] = repr(list((plan or {}).keys()))
+    for key, spec in (plan or {}).items():
+        fp[f"plan entry {key!r}"] = repr(spec)
+    fp["model"] = type(model).__name__ + repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    fp["example input shapes"] = repr([tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                                      for x in example_inputs])
+    return fp
+
+
+def check_same_on_all_ranks(fp: dict[str, str]) -> None:
+    """Raise ShardingError on every rank if any rank's fingerprint differs (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, fp)
+    ref = everyone[0]
+    for rank, other in enumerate(everyone):
+        for name in sorted(set(ref) | set(other)):
+            if ref.get(name) != other.get(name):
+                raise ShardingError(
+                    f"{name} differs between rank 0 ({ref.get(name, 'absent')}) and rank {rank} "
+                    f"({other.get(name, 'absent')}); every rank must call shard() with the same plan, mesh, "
+                    f"model and input shapes"
+                )
