@@ -152,6 +152,37 @@ def local_slice(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mes
     return e.op(aten.view.default, s, dims[: p.dim] + [e.arith(operator.mul, m, p.outer)] + dims[p.dim + 1:])
 
 
+def all_to_all(e: Emitter, x: fx.Node, lshape: Sequence[Dim], src: S, dst: S, a: int, mesh: MeshInfo,
+               itemsize: int, contiguous: bool) -> fx.Node:
+    """S(src.dim) -> S(dst.dim) on axis ``a``: each rank keeps 1/n of what a gather would move.
+
+    Requires concrete sizes and plain (non-strided) shards on different dims.
+    """
+    n = mesh.sizes[a]
+    sd, dd = src.dim, dst.dim
+    shape = [int(s) for s in lshape]
+    nb = shape[dd] // n
+    x = x if contiguous else e.contiguous(x)
+    v = e.op(aten.view.default, x, shape[:dd] + [n, nb] + shape[dd + 1:])
+    perm = [dd] + [i for i in range(len(shape) + 1) if i != dd]
+    front = e.contiguous(e.op(aten.permute.default, v, perm))
+    nbytes = hint(prod(lshape)) * itemsize
+    y = e.comm(c10d.all_to_all_single.default, "all_to_all", mesh.names[a], front, nbytes, [1] * n, [1] * n,
+               mesh.group_names[a])
+    rest = shape[:dd] + [nb] + shape[dd + 1:]
+    order = list(range(1, sd + 1)) + [0] + list(range(sd + 1, len(rest) + 1))
+    merged = e.contiguous(e.op(aten.permute.default, y, order))
+    out = rest[:sd] + [rest[sd] * n] + rest[sd + 1:]
+    return e.op(aten.view.default, merged, out)
+
+
+def _can_all_to_all(s: Pl, d: Pl, a: int, cur: Sequence[Pl], lshape: Sequence[Dim]) -> bool:
+    if not (isinstance(s, S) and isinstance(d, S) and s.outer == 1 and d.outer == 1 and s.dim != d.dim):
+        return False
+    others = [p for i, p in enumerate(cur) if i != a and isinstance(p, S) and p.dim in (s.dim, d.dim)]
+    return not others and all(is_concrete(x) for x in lshape)
+
+
 def to_partial(e: Emitter, x: fx.Node, p: Part, a: int, mesh: MeshInfo) -> fx.Node:
     if p.op == "sum" and mesh.coords[a] != 0:
         return e.op(aten.zeros_like.default, x)
@@ -161,7 +192,7 @@ def to_partial(e: Emitter, x: fx.Node, p: Part, a: int, mesh: MeshInfo) -> fx.No
 def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], mesh: MeshInfo) -> fx.Node:
     """Nodes computing ``x`` (local, laid out per ``spec``) laid out per ``dst``.
 
-    Reductions and gathers go innermost mesh axis first (so a dim split over
+    Moving a split between dims is one all_to_all. Reductions and gathers go innermost mesh axis first (so a dim split over
     several axes reassembles in order); local slices and R->Partial follow.
     """
     cur = list(spec.placements)
@@ -182,6 +213,11 @@ def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], me
                 contiguous = True
                 continue
             x = all_reduce(e, x, lshape, s.op, a, mesh, itemsize, contiguous)
+        elif _can_all_to_all(s, d, a, cur, lshape):
+            x = all_to_all(e, x, lshape, s, d, a, mesh, itemsize, contiguous)
+            cur[a] = d
+            contiguous = True
+            continue
         elif isinstance(s, S):
             x = all_gather(e, x, lshape, s, a, mesh, itemsize, contiguous)
         contiguous = True

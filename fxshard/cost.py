@@ -28,6 +28,8 @@ def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int) -> float:
     if src == R:
         return local
     if isinstance(src, S):
+        if isinstance(dst, S) and src.outer == dst.outer == 1 and src.dim != dst.dim:
+            return ALPHA + nbytes * frac / n  # all_to_all
         gather = ALPHA + nbytes * frac
         return gather if dst == R else gather + local
     reduce = ALPHA + 2 * nbytes * frac

@@ -109,3 +109,26 @@ def test_dynamic_batch_runs_new_sizes_without_resharding():
     for res in run_ranks(_dynamic_batch, 2):
         assert all(e <= TOL for e in res["errs"].values()), res
         assert "torch.no_grad()" in res["train_error"]
+
+
+class _Transpose(torch.nn.Module):
+    """Identity whose input and output are constrained to different splits: one all_to_all."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fxshard.constrain(x * 2.0, P(None, "tp", None))
+        return fxshard.constrain(y + 1.0, P(None, None, "tp")) * 3.0
+
+
+def _all_to_all(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    x = torch.arange(4 * 6 * 8, dtype=torch.float32).reshape(4, 6, 8)
+    sm = fxshard.shard(_Transpose(), mesh, {}, example_inputs=(x,), out_specs=P(None, None, "tp"))
+    out = sm(x)
+    want = ((x * 2.0 + 1.0) * 3.0).chunk(world, dim=2)[rank]
+    return {"err": (out - want).abs().max().item(), "stats": fxshard.comm_stats(sm)["forward"]}
+
+
+def test_split_moving_between_dims_is_one_all_to_all():
+    for res in run_ranks(_all_to_all, 2):
+        assert res["err"] == 0.0
+        assert res["stats"] == {"all_to_all": {"count": 1, "bytes": 4 * 3 * 8 * 4}}, res["stats"]
