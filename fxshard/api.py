@@ -14,7 +14,8 @@ from .consistency import check_same_on_all_ranks, fingerprint
 from .context import ShardContext
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .module import Program, ShardedModule, Training, local_slice
+from .checkpoint import rank_slices
+from .module import Program, ShardedModule, Training
 from .passes.annotate import annotate, spec_leaves
 from .passes.emit import emit
 from .passes.joint import partition, trace_joint
@@ -152,6 +153,7 @@ def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: Dev
             shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape))]
             local = torch.empty(shape, dtype=full.dtype, device=device)
         else:
-            local = local_slice(full.detach().to(device), mesh, pls).clone()
+            # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
+            local = full.detach()[rank_slices(tuple(full.shape), pls, MeshInfo.of(mesh))].to(device).clone()
         out[name] = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
     return out

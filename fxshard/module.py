@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
@@ -190,22 +190,28 @@ class ShardedModule(nn.Module):
             out[name] = self._dtensor(name, local.detach()).full_tensor()
         return out
 
-    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy each rank's slice of full tensors into the local shards (keys as in ``model.state_dict()``)."""
+    def load_full_state_dict(self, src: Any) -> None:
+        """Copy each rank's slices of a full checkpoint into the local shards.
+
+        ``src`` is a state dict (keys as in ``model.state_dict()``), a ``.safetensors`` file, or a
+        directory of HF-style sharded safetensors files; from files each rank reads only its slices.
+        """
+        from .checkpoint import open_checkpoint, rank_slices
+
+        reader = open_checkpoint(src)
         own = self.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
+        have = set(reader.keys())
+        missing = [k for k in own if k not in have]
         if missing:
-            raise ShardingError(f"load_full_state_dict: missing keys {missing[:5]}; pass the model's full state_dict")
+            raise ShardingError(
+                f"load_full_state_dict: missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}; pass a "
+                f"checkpoint of the full model (keys as in model.state_dict())"
+            )
         with torch.no_grad():
             for name, local in own.items():
-                full = state_dict[name]
-                if tuple(full.shape) != tuple(int(s) for s in self._global_shapes[name]):
-                    raise ShardingError(
-                        f"load_full_state_dict: {name} has shape {tuple(full.shape)}, expected "
-                        f"{tuple(self._global_shapes[name])}; load a checkpoint of the same model config"
-                    )
-                local.copy_(local_slice(full.to(local.device, local.dtype), self._mesh, self._placements[name]))
-
+                shape = tuple(int(s) for s in self._global_shapes[name])
+                piece = reader.read(name, rank_slices(shape, self._placements[name], self._info), shape)
+                local.copy_(piece)
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1
@@ -216,5 +222,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
 
 
 def local_slice(full: torch.Tensor, mesh: DeviceMesh, pls: tuple[Pl, ...]) -> torch.Tensor:
-    """This rank's piece of a full tensor (no communication)."""
-    return distribute_tensor(full, mesh, [to_torch(p) for p in pls], src_data_rank=None).to_local()
+    """This rank's piece of a full tensor laid out per ``pls`` (a view; no communication)."""
+    from .checkpoint import rank_slices
+
+    return full[rank_slices(tuple(full.shape), pls, MeshInfo.of(mesh))]

@@ -1,0 +1,137 @@
+"""``fxshard.memory``: per-rank memory of a sharded module, computed without running it.
+
+Parameters, gradients and optimizer state come from the local shard sizes.
+Activation and collective-buffer peaks come from a liveness analysis of each
+sharded program: local shapes are found by interpreting the program on fake
+tensors (no real memory, no communication), every value is live from the op
+that allocates it to its last use (views share their base's storage and extend
+its life), saved activations stay live to the end of the forward and from the
+start of the backward, and collective outputs die after their last use — which
+is what makes a deep stack of all-reduced layers use no more buffer memory
+than a shallow one (seed 002).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from .collectives import hint
+from .errors import ShardingError
+from .spec import META_KEY, Spec
+
+aten = torch.ops.aten
+
+__all__ = ["memory", "program_peak", "OPTIMIZER_STATES"]
+
+# tensors of state per parameter element, in the parameter's dtype
+OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
+
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default, aten.transpose.int,
+    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.reshape.default,
+    torch.ops._c10d_functional.wait_tensor.default,
+}
+
+
+def _local_vals(gm: fx.GraphModule, sizes, device: str) -> dict[fx.Node, Any]:
+    """Run ``gm`` on fake local tensors on ``device``; the value every node produces."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    vals: dict[fx.Node, Any] = {}
+    def make(spec: Any, v: Any) -> Any:
+        if isinstance(spec, Spec):
+            return torch.empty([hint(s) for s in spec.local_shape(sizes)], dtype=spec.dtype, device=device)
+        if isinstance(v, torch.Tensor):
+            return torch.empty([hint(s) for s in v.shape], dtype=v.dtype, device=device)
+        if isinstance(spec, tuple) and isinstance(v, (tuple, list)):  # a saved multi-output value
+            return tuple(make(s, x) for s, x in zip(spec, v))
+        return v
+
+    class Rec(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            vals[n] = out
+            return out
+
+    with mode:
+        fake_in = [make(n.meta.get(META_KEY), n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+        Rec(gm).run(*fake_in)
+    return vals
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (tuple, list)):
+        return sum(_nbytes(x) for x in v)
+    return 0
+
+
+def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bool = False,
+                 outputs_live: bool = True) -> int:
+    """Peak bytes of values the program allocates (plus its inputs when ``inputs_live``)."""
+    vals = _local_vals(gm, sizes, device)
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    base: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        is_view = n.op == "call_function" and (n.target in VIEW_OPS or n.target is operator.getitem)
+        if is_view and n.args and isinstance(n.args[0], fx.Node):
+            base[n] = base.get(n.args[0], n.args[0])
+    owner = lambda n: base.get(n, n)
+    last: dict[fx.Node, int] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            o = owner(a)
+            last[o] = max(last.get(o, 0), pos[n])
+    out_node = nodes[-1]
+    end = len(nodes)
+    if outputs_live:
+        for a in out_node.all_input_nodes:
+            last[owner(a)] = end
+    frees: dict[int, list[fx.Node]] = {}
+    live = 0
+    peak = 0
+    for n in nodes:
+        if n.op == "placeholder":
+            if not inputs_live:
+                continue
+        elif n.op != "call_function" or n in base:
+            continue
+        live += _nbytes(vals.get(n))
+        frees.setdefault(last.get(n, pos[n]), []).append(n)
+        peak = max(peak, live)
+        for dead in frees.pop(pos[n], []):
+            live -= _nbytes(vals.get(dead))
+    return peak
+
+
+def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
+    """Per-rank bytes: ``params``, ``grads``, ``optimizer`` (state of the named optimizer: 'sgd',
+    'sgd_momentum', 'adam', 'adamw', ...), and the activation/collective-buffer peaks of the
+    ``inference`` program and, for training modules, of the ``forward`` (with what it saves for
+    the backward) and ``backward`` programs. Works on the fake process group for any world size."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ShardingError(f"memory(): unknown optimizer {optimizer!r}; use one of {sorted(k for k in OPTIMIZER_STATES if k)}")
+    sizes = sm._info.sizes
+    dev = sm._info.device_type
+    params = {id(p): p for p in sm.parameters()}.values()
+    pbytes = sum(p.numel() * p.element_size() for p in params)
+    gbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    report = {
+        "params": pbytes,
+        "buffers": sum(b.numel() * b.element_size() for b in sm.buffers()),
+        "grads": gbytes if sm._training is not None else 0,
+        "optimizer": OPTIMIZER_STATES[optimizer] * gbytes,
+        "inference_peak": program_peak(sm._fwd.gm, sizes, dev),
+    }
+    if sm._training is not None:
+        report["forward_peak"] = program_peak(sm._training.fwd.gm, sizes, dev)
+        report["backward_peak"] = program_peak(sm._training.bwd.gm, sizes, dev, inputs_live=True)
+    return report
