@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +27,7 @@ from .passes.trace import Traced, trace_forward
 from .placements import Pl, R
 from .registry import output_leaves
 from .plan import resolve_boundaries, resolve_plan, to_placements
+from .spec import local_shape
 from .symbolic import sym_shape
 
 __all__ = ["shard", "PASSES", "run_passes"]
@@ -59,7 +61,8 @@ def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo) -> list[Option
 
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
-          out_specs: Any = None, dynamic_shapes: Any = None) -> ShardedModule:
+          out_specs: Any = None, dynamic_shapes: Any = None,
+          progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
@@ -70,13 +73,17 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     Ensures: the module's parameters are local shards under the original
     FQNs, and its forward on each rank's local inputs returns the local part
     of what ``model`` returns on the global inputs. Plan errors raise
-    ShardingError before tracing.
+    ShardingError before tracing. ``progress``, if given, is called with a short
+    message as each stage starts (tracing a large model takes a while).
     """
+    say = progress or (lambda msg: None)
     info = MeshInfo.of(mesh)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     check_same_on_all_ranks(fingerprint(plan, model, info, example_inputs, in_specs, out_specs))
+    say("checking the plan")
     param_pls = resolve_plan(plan, model, info)
+    say("tracing the forward (torch.export)")
     traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes, resolve_boundaries(plan, model, info))
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info))
 
@@ -96,7 +103,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     training = None
     if any(wants_grad):
         if dynamic_shapes is None:
-            training = _shard_training(traced, ctx, wants_grad)
+            training = _shard_training(traced, ctx, wants_grad, say)
         else:
             for slot, w in zip(traced.slots, wants_grad):
                 if w and slot.kind == "input":
@@ -104,7 +111,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
                         "an example input requires grad, but training with dynamic_shapes is not supported yet; "
                         "shard without dynamic_shapes to train, or pass inputs that do not require grad"
                     )
+    say("sharding the inference program")
     gm = run_passes(traced.gm, ctx)
+    say("allocating local shards")
     tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
     return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), training, mesh, info, placements,
                          shapes, tensors)
@@ -115,8 +124,10 @@ def _leaf(args: tuple, kwargs: dict, traced: Traced, index: int) -> torch.Tensor
     return flat[traced.tensor_leaf_positions[index]]
 
 
-def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool]) -> Training:
+def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
+                    say: Callable[[str], None]) -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
+    say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
@@ -128,6 +139,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool]) -
     for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
         jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
     jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
+    say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = run_passes(joint.gm, jctx)
     split = partition(joint, gm)
     fb = list(jctx.fallbacks)
@@ -147,9 +159,11 @@ def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: Dev
         name = slot.names[0]
         full = named[name]
         pls = placements[name]
-        if full.device.type == "meta":
-            from .spec import local_shape
-
+        if full.device.type == "meta" and dist.is_initialized() and dist.get_backend() == "fake":
+            # planning on the fake process group: shards stay on meta (nothing can run anyway)
+            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape))]
+            local = torch.empty(shape, dtype=full.dtype, device="meta")
+        elif full.device.type == "meta":
             shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape))]
             local = torch.empty(shape, dtype=full.dtype, device=device)
         else:

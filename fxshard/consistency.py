@@ -23,9 +23,12 @@ def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, info: MeshI
                 in_specs: Any, out_specs: Any) -> dict[str, str]:
     """Named, comparable descriptions of everything that must agree across ranks."""
     fp = {"mesh": f"{dict(zip(info.names, info.sizes))}", "in_specs": repr(in_specs), "out_specs": repr(out_specs)}
-    fp["plan entries"] = repr(list((plan or {}).keys()))
-    for key, spec in (plan or {}).items():
-        fp[f"plan entry {key!r}"] = repr(spec)
+    if isinstance(plan, Mapping):
+        fp["plan entries"] = repr(list(plan.keys()))
+        for key, spec in plan.items():
+            fp[f"plan entry {key!r}"] = repr(spec)
+    else:
+        fp["plan"] = repr(plan)  # not a dict: resolve_plan explains the error on every rank
     fp["model"] = type(model).__name__ + repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
     fp["example input shapes"] = repr([tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                                       for x in example_inputs])

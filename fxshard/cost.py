@@ -28,8 +28,8 @@ def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int) -> float:
     if src == R:
         return local
     if isinstance(src, S):
-        if isinstance(dst, S) and src.outer == dst.outer == 1 and src.dim != dst.dim:
-            return ALPHA + nbytes * frac / n  # all_to_all
+        # S(a)->S(b) runs as one all_to_all (1/n of a gather's bytes), but it is priced like the gather:
+        # greedy choices cannot see that a moved split is often gathered again by another consumer
         gather = ALPHA + nbytes * frac
         return gather if dst == R else gather + local
     reduce = ALPHA + 2 * nbytes * frac

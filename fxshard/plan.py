@@ -17,11 +17,12 @@ from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from .errors import ShardingError
+from .symbolic import divides
 from .mesh import MeshInfo
 from .placements import P, Part, Pl, R, Replicated, S, from_torch
 from .styles import STYLE_TYPES, AxisSpec, Boundary, boundary_of
 
-__all__ = ["resolve_plan", "resolve_boundaries", "to_placements", "is_spec_leaf", "style_axis", "constraint_placements"]
+__all__ = ["resolve_plan", "resolve_boundaries", "to_placements", "is_spec_leaf", "style_axis", "constraint_placements", "check_divisible"]
 
 
 def is_spec_leaf(x: Any) -> bool:
@@ -137,6 +138,7 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
                 f"plan entries {origin[fqn]!r} and {key!r} both place {fqn!r}, differently ({out[fqn]} vs {pls}); "
                 f"make the globs disjoint"
             )
+        check_divisible(fqn, tuple(tensors[fqn].shape), pls, mesh)
         out[fqn] = pls
         origin[fqn] = key
 
@@ -196,6 +198,21 @@ def resolve_boundaries(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh
             for fqn in _style_hits(key, spec, modules, model):
                 out.setdefault(fqn, []).append(boundary_of(spec, modules[fqn], axis, key))
     return out
+
+
+def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInfo) -> None:
+    for d, size in enumerate(shape):
+        f = 1
+        axes = []
+        for a, p in enumerate(pls):
+            if isinstance(p, S) and p.dim == d:
+                f *= mesh.sizes[a]
+                axes.append(f"'{mesh.names[a]}' ({mesh.sizes[a]})")
+        if f > 1 and not divides(size, f):
+            raise ShardingError(
+                f"{name} dim {d} (size {size}) is not divisible by mesh axis {' x '.join(axes)}; "
+                f"use a mesh whose split divides {size} or leave dim {d} unsplit"
+            )
 
 
 def _examples(names: Mapping[str, Any]) -> str:

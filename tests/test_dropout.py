@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel
-from fxshard.module import local_slice
 from fxshard.passes.trace import trace_forward
 from fxshard.placements import Part, R, S
 from fxshard.rules.random import GLOBAL_RNG
+from fxshard.spec import META_KEY
 from tests.conftest import fake_world
 from tests.dist_utils import run_ranks
 from tests.test_rules import node_of, rnd, st_, strategies
@@ -35,6 +35,7 @@ TOL = 1e-5
 STYLE_PLAN = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
 SPEC_PLAN = {"net1.weight": P("tp", None), "net1.bias": P("tp"), "net2.weight": P(None, "tp")}  # net2 out: P(sum)
 OUT_SPECS = (None, P(None, "tp"))
+SPLIT_DIM = {"net1.weight": 0, "net1.bias": 0, "net2.weight": 1, "net2.bias": None}  # both plans
 
 
 class DropMLP(nn.Module):
@@ -110,7 +111,7 @@ def test_split_dropout_draws_the_global_mask_once_and_saves_the_local_chunk(mesh
     assert _random_ops(bwd) == []  # the backward never redraws
     saved = [n for n in bwd.graph.nodes if n.op == "placeholder" and isinstance(n.meta["val"], torch.Tensor)
              and n.meta["val"].dtype == torch.bool]
-    assert [tuple(n.meta["fxshard_spec"].local_shape((2,))) for n in saved] == [(8, 16)]
+    assert [tuple(n.meta[META_KEY].local_shape((2,))) for n in saved] == [(8, 16)]
     assert GLOBAL_RNG in fxshard.explain(sm)
     assert fxshard.comm_stats(sm)["forward"]["all_reduce"]["count"] == 1
 
@@ -161,6 +162,10 @@ def _steps(mod: nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> tuple[li
     return losses, hs, grads
 
 
+def _chunk(full: torch.Tensor, dim, rank: int, world: int) -> torch.Tensor:
+    return full if dim is None else full.chunk(world, dim)[rank]
+
+
 def _dropout_ranks(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     x, y = _data()
@@ -182,13 +187,13 @@ def _dropout_ranks(rank: int, world: int) -> dict:
             "mask": hs[0] != 0,
             "h_err": max((h - r[:, cols]).abs().max().item() for h, r in zip(hs, ref_hs)),
             "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "grad_err": max((g - local_slice(ref_grads[k], mesh, sm._placements[k])).abs().max().item()
+            "grad_err": max((g - _chunk(ref_grads[k], SPLIT_DIM[k], rank, world)).abs().max().item()
                             for k, g in grads.items()),
             "param_err": max((full[k] - v).abs().max().item() for k, v in model.state_dict().items()),
             "rerun_same": losses2 == losses and all(torch.equal(a, b) for a, b in zip(hs, hs2))
             and all(torch.equal(full[k], full2[k]) for k in full),
             "rng_next": next_, "rng_in_step": torch.equal(next_, ref_next),
-            "placements": {n.name: n.meta["fxshard_spec"] for n in sm._training.fwd.gm.graph.nodes
+            "placements": {n.name: n.meta[META_KEY] for n in sm._training.fwd.gm.graph.nodes
                            if n.target is aten.native_dropout.default},
         }
     return res
@@ -207,3 +212,48 @@ def test_dropout_on_sharded_activations_trains_like_unsharded_and_deterministica
         assert torch.equal(a["rng_next"], b["rng_next"])  # generators still agree across ranks
     # the spec plan keeps net2's Partial sum through the output dropout (no extra collective)
     assert any(repr(s[0]) == "P(sum)" for s in r0["specs"]["placements"].values()), r0["specs"]["placements"]
+
+
+def _torch_transformer_with_dropout(rank: int, world: int) -> dict:
+    """torch's test Transformer with dropout_p > 0 (embeddings, attention probabilities with sharded heads,
+    residuals) under its own Megatron plan, trained with the RNG reseeded per step, vs unsharded."""
+    from torch.distributed.tensor import Replicate
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(n_layers=2, vocab_size=16, max_seq_len=16, dim=16, n_heads=4, dropout_p=0.25))
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "layers.*.attention.wq": ColwiseParallel(), "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(), "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.feed_forward.w1": ColwiseParallel(), "layers.*.feed_forward.w2": RowwiseParallel(),
+            "output": ColwiseParallel(output_layouts=Replicate())}
+    g = torch.Generator().manual_seed(3)
+    tok, tgt = torch.randint(0, 16, (2, 16), generator=g), torch.randint(0, 16, (2, 16), generator=g)
+    sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=(tok,))
+    losses = {}
+    for name, mod in (("ref", model), ("sharded", sm)):
+        opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+        losses[name] = []
+        for i in range(2):
+            torch.manual_seed(200 + i)
+            opt.zero_grad()
+            loss = F.cross_entropy(mod(tok).flatten(0, 1), tgt.flatten())
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    full = sm.full_state_dict()
+    return {"loss_err": max(abs(a - b) for a, b in zip(losses["ref"], losses["sharded"])),
+            "param_err": max((full[k] - v).abs().max().item() for k, v in model.state_dict().items()),
+            "head_split_dropouts": sum(1 for n in sm._training.fwd.gm.graph.nodes
+                                       if n.target is aten.bernoulli.p and len(n.args[0].args[0]) == 4),
+            "rng": torch.get_rng_state()}
+
+
+def test_torch_transformer_with_dropout_trains_like_unsharded():
+    r0, r1 = run_ranks(_torch_transformer_with_dropout, 2)
+    for r in (r0, r1):
+        assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
+        assert r["head_split_dropouts"] == 2  # one attention-probability dropout per layer, heads split
+    assert torch.equal(r0["rng"], r1["rng"])

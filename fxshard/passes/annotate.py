@@ -20,7 +20,7 @@ from ..errors import ShardingError
 from ..mesh import MeshInfo
 from ..placements import Pl, R, S
 from ..constrain import CONSTRAIN_OP, constraint_spec
-from ..plan import constraint_placements, is_spec_leaf, to_placements
+from ..plan import check_divisible, constraint_placements, is_spec_leaf, to_placements
 from ..symbolic import divides, sym_shape
 from .trace import Traced, source_line
 
@@ -46,21 +46,6 @@ def spec_leaves(specs: Any, values: Any, what: str) -> list[Any]:
         f"{what}: spec {specs!r} does not match a value of type {type(values).__name__}; give a spec per tensor "
         f"(P(...), placements) or a tuple/dict shaped like the values"
     )
-
-
-def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInfo) -> None:
-    for d, size in enumerate(shape):
-        f = 1
-        axes = []
-        for a, p in enumerate(pls):
-            if isinstance(p, S) and p.dim == d:
-                f *= mesh.sizes[a]
-                axes.append(f"'{mesh.names[a]}' ({mesh.sizes[a]})")
-        if f > 1 and not divides(size, f):
-            raise ShardingError(
-                f"{name} dim {d} (size {size}) is not divisible by mesh axis {' x '.join(axes)}; "
-                f"use a mesh whose split divides {size} or leave dim {d} unsplit"
-            )
 
 
 def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]], args: tuple, kwargs: dict,

@@ -160,7 +160,8 @@ def _global_draw(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
     gshape = []
     for d, (s, ls) in enumerate(zip(spec.shape, lshape)):
         f = shard_factor(spec.placements, ctx.mesh.sizes, d)
-        gshape.append(int(s) if is_concrete(s) else e.arith(operator.mul, e.size(x, d, ls), f))
+        gshape.append(int(s) if is_concrete(s) else e.arith(operator.mul, e.size(x, d, ls), f) if f > 1
+                      else e.size(x, d, ls))
     blank = e.op(aten.empty.memory_format, gshape, dtype=spec.dtype, device=runtime_device(ctx))
     if dropout:
         p = float(node.args[1])

@@ -168,8 +168,9 @@ def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape
         pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
         if not _divisible(s.shape, pls, sizes):
             return False
-    outs = st.output if isinstance(st.output, tuple) else (st.output,)
-    shapes = out_shape if isinstance(st.output, tuple) else (out_shape,)
+    multi = bool(out_shape) and (out_shape[0] is None or isinstance(out_shape[0], tuple))
+    shapes = out_shape if multi else (out_shape,)
+    outs = st.output if isinstance(st.output, tuple) else (st.output,) * len(shapes)
     for j, (o, shp) in enumerate(zip(outs, shapes)):
         if o is None or shp is None:
             continue

@@ -90,7 +90,7 @@ def _rest(call: OpCall) -> tuple:
 def dropout_rule(call: OpCall, n: int) -> list[Strategy]:
     """``(out, mask)``: follows the input's split (global mask, local chunk) or keeps ``P(sum)``."""
     train = call.arg(2, "train", None)
-    lowering = None if train is False else GLOBAL_RNG
+    lowering = None if train is False else GLOBAL_RNG  # native_dropout(x, p, train=False) draws nothing
     res = [Strategy((R,) + _rest(call), (R, R)), Strategy((Part("sum"),) + _rest(call), (Part("sum"), R))]
     for i, o, low in _splits(call, lowering):
         res.append(Strategy((i,) + _rest(call), (o, o), low))

@@ -1,0 +1,181 @@
+"""The ``fxshard`` command line: ``fxshard plan`` (plan a model on one process) and ``fxshard demo``.
+
+``fxshard plan MODEL --mesh tp=8,dp=64 [--plan PLAN] [--batch N --seq N]`` builds
+MODEL (``module:callable``, called under ``torch.device("meta")``; it may return
+a model or ``(model, example_inputs)``) and shards it on the fake process group
+as rank 0 of the whole mesh, then prints the per-rank memory report, the
+collectives per training step and, with ``--explain FILE``, the explain table.
+Errors are one line with the fix; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+__all__ = ["main"]
+
+
+class CliError(Exception):
+    """A user error: printed as one line."""
+
+
+def _load(ref: str, what: str) -> Any:
+    if ":" not in ref:
+        raise CliError(f"{what} {ref!r} is not of the form module:attribute (e.g. examples.llama_shapes:llama70b)")
+    mod_name, attr = ref.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise CliError(f"cannot import {what} module {mod_name!r} ({e}); run from the directory that holds it "
+                       f"or put it on PYTHONPATH") from e
+    if not hasattr(mod, attr):
+        raise CliError(f"{what} module {mod_name!r} has no attribute {attr!r}")
+    return getattr(mod, attr)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"dp=64,tp=8"`` -> ``{"dp": 64, "tp": 8}`` (order kept: major axis first)."""
+    axes: dict[str, int] = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise CliError(f"--mesh {text!r}: {part!r} is not name=size; write e.g. --mesh dp=64,tp=8")
+        if name in axes:
+            raise CliError(f"--mesh {text!r}: axis {name!r} appears twice")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _why(sm: Any) -> dict[tuple[str, str], str]:
+    """For each (program, collective kind): the consuming ops, most frequent first."""
+    from collections import Counter
+
+    from .inspect import collectives
+
+    out = {}
+    for prog in sm._programs():
+        per: dict[str, Counter] = {}
+        for c in collectives(prog):
+            per.setdefault(c["kind"], Counter())[c["op"].replace("aten.", "")] += 1
+        for kind, cnt in per.items():
+            out[(prog.label, kind)] = ", ".join(f"{op} x{n}" for op, n in cnt.most_common(4))
+    return out
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import fxshard
+
+    axes = parse_mesh(args.mesh)
+    build = _load(args.model, "MODEL")
+    plan = _load(args.plan, "PLAN") if args.plan else None
+    plan = plan() if callable(plan) else plan
+    t0 = time.time()
+    say = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    say(f"building {args.model} on the meta device")
+    with torch.device("meta"):
+        built = build()
+    model, inputs = built if isinstance(built, tuple) else (built, None)
+    if inputs is None:
+        tokens = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        inputs = (tokens, tokens)
+    if not args.train:
+        model.requires_grad_(False)
+    world = 1
+    for s in axes.values():
+        world *= s
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
+        in_specs = tuple(fxshard.P("dp") for _ in inputs) if "dp" in axes else None
+        sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, in_specs=in_specs, progress=say)
+        say("computing the memory report")
+        mem = fxshard.memory(sm, args.optimizer)
+        stats = fxshard.comm_stats(sm)
+        why = _why(sm)
+        explain = fxshard.explain(sm) if args.explain else None
+    finally:
+        dist.destroy_process_group()
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {type(model).__name__}, {n_params / 1e9:.3f} B parameters; mesh {axes} ({world} ranks); "
+          f"batch {args.batch} x seq {args.seq}")
+    print("\nper-rank memory (rank 0):")
+    for k, v in mem.items():
+        print(f"  {k:<16} {v:>16,d} bytes  ({_fmt_bytes(v)})")
+    print(f"\ncollectives per {'training step' if args.train else 'forward'}:")
+    for prog, table in stats.items():
+        for kind, row in sorted(table.items()):
+            print(f"  {prog:<9} {kind:<15} count {row['count']:>5}  bytes {row['bytes']:>16,d}  ({_fmt_bytes(row['bytes'])})")
+            print(f"  {'':<9} {'':<15} needed by: {why.get((prog, kind), '')}")
+    if explain is not None:
+        with open(args.explain, "w") as f:
+            f.write(explain + "\n")
+        print(f"\nexplain table written to {args.explain}")
+    say("done")
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "examples", "toy_tp_train.py")
+    if not os.path.exists(script):
+        raise CliError(f"{script} not found: `fxshard demo` runs from a source checkout of fxshard")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.call(cmd, env=env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fxshard", description="Plan and inspect GSPMD-style sharding of PyTorch models.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
+    sub = p.add_subparsers(dest="command", required=True)
+    pl = sub.add_parser("plan", help="shard a model on one process (fake process group) and report")
+    pl.add_argument("model", help="module:callable returning the model (built on meta)")
+    pl.add_argument("--mesh", required=True, help="mesh axes, major first, e.g. dp=64,tp=8")
+    pl.add_argument("--plan", help="module:attr of a plan dict (or a callable returning one)")
+    pl.add_argument("--batch", type=int, default=8, help="global batch size of the example token ids")
+    pl.add_argument("--seq", type=int, default=128, help="sequence length of the example token ids")
+    pl.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
+                    help="plan the training step (forward + backward); --no-train plans inference only")
+    pl.add_argument("--optimizer", default="adamw", help="optimizer whose state the memory report counts")
+    pl.add_argument("--explain", metavar="FILE", help="write the explain table to FILE")
+    pl.set_defaults(fn=plan_command)
+    de = sub.add_parser("demo", help="run the README's main job: 2-rank tensor-parallel training with parity")
+    de.set_defaults(fn=demo_command)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except Exception as e:  # noqa: BLE001 - one readable line unless --debug
+        if args.debug:
+            raise
+        from .errors import ShardingError
+
+        kind = "" if isinstance(e, (CliError, ShardingError)) else f"{type(e).__name__}: "
+        print(f"fxshard: error: {kind}{e}", file=sys.stderr)
+        if not isinstance(e, (CliError, ShardingError)):
+            print("fxshard: rerun with --debug for the traceback", file=sys.stderr)
+        return 2

@@ -1,0 +1,61 @@
+"""The ``fxshard`` command line: plan and demo paths, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "fxshard", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_plan_tiny_llama_prints_exact_shard_bytes_and_collectives():
+    from tests.models import LlamaDecoder
+
+    r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "dp=2,tp=2", "--plan", "examples.llama_shapes:PLAN",
+            "--batch", "4", "--seq", "16")
+    assert r.returncode == 0, r.stderr
+    model = LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
+    sharded = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "tok_embeddings", "output")
+    want = sum(p.numel() * 4 // (2 if any(s in n for s in sharded) else 1) for n, p in model.named_parameters())
+    line = next(l for l in r.stdout.splitlines() if l.strip().startswith("params"))
+    assert int(line.split()[1].replace(",", "")) == want
+    assert "forward   all_reduce" in r.stdout and "needed by:" in r.stdout
+    assert "tracing the forward" in r.stderr  # progress
+
+
+def test_plan_bad_mesh_is_one_line_error():
+    r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "tp=two")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["fxshard: error: --mesh 'tp=two': 'tp=two' is not name=size; "
+                                             "write e.g. --mesh dp=64,tp=8"]
+
+
+def test_plan_bad_model_path_is_one_line_error():
+    r = run("plan", "examples.no_such_module:build", "--mesh", "tp=2")
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "cannot import MODEL module 'examples.no_such_module'" in err[0]
+    r = run("plan", "examples.llama_shapes:nope", "--mesh", "tp=2")
+    assert r.returncode == 2 and "has no attribute 'nope'" in r.stderr
+
+
+def test_plan_error_from_sharding_is_one_line_and_debug_shows_traceback():
+    r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "tp=3", "--plan", "examples.llama_shapes:PLAN", "--seq", "16")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("fxshard: error:") and "not divisible" in lines[-1]
+    r = run("--debug", "plan", "examples.llama_shapes:llama_tiny", "--mesh", "tp=3", "--plan", "examples.llama_shapes:PLAN")
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_demo_runs_the_main_job_with_parity():
+    r = run("demo", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "PARITY" in r.stdout and "all_reduce" in r.stdout
