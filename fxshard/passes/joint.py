@@ -15,6 +15,7 @@ backward, and saved values are the forward nodes the backward reads).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -26,6 +27,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from ..errors import ShardingError
+from ..collectives import INSERTED_KEY
+from ..memory import VIEW_OPS
 from ..registry import output_leaves
 from .trace import Traced, _cse, decomposition_table
 
@@ -123,17 +126,36 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
     if any(t in needed for t in tangents):
         raise ShardingError("internal: a forward output depends on a tangent; please report this model")
     needed.update(primals)
+    for n in g.nodes:  # unpack forward tuples in the forward: save the parts, not the tuple
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in needed:
+            needed.add(n)
+    # views of parameters are recomputed in the backward rather than saved
+    cheap: set[fx.Node] = set()
+    for n in g.nodes:
+        if (n in needed and n.op == "call_function" and n.target in VIEW_OPS and not n.meta.get(INSERTED_KEY)
+                and all(a in cheap or a in primals for a in n.all_input_nodes)):
+            cheap.add(n)
 
     saved: list[fx.Node] = []
+    recompute: set[fx.Node] = set()
+
+    def need_in_bwd(a: fx.Node) -> None:
+        if a in cheap:
+            if a not in recompute:
+                recompute.add(a)
+                for b in a.all_input_nodes:
+                    need_in_bwd(b)
+        elif a in needed and a not in saved:
+            saved.append(a)
+
     for n in g.nodes:
         if n in needed or n.op in ("placeholder", "output"):
             continue
         for a in n.all_input_nodes:
-            if a in needed and a not in saved:
-                saved.append(a)
+            need_in_bwd(a)
     for gr in grads:
-        if isinstance(gr, fx.Node) and gr in needed and gr not in saved:
-            saved.append(gr)
+        if isinstance(gr, fx.Node) and gr in needed:
+            need_in_bwd(gr)
 
     fwd = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -151,7 +173,7 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
     for t in tangents:
         benv[t] = bwd.node_copy(t, lambda a: benv[a])
     for n in g.nodes:
-        if n in needed or n.op in ("placeholder", "output"):
+        if (n in needed and n not in recompute) or n.op in ("placeholder", "output"):
             continue
         benv[n] = bwd.node_copy(n, lambda a: benv[a])
     bwd.output(tuple(benv[x] if isinstance(x, fx.Node) else x for x in grads))

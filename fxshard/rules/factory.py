@@ -13,7 +13,7 @@ aten = torch.ops.aten
 FRESH = [
     aten.full.default, aten.arange.start_step, aten.arange.default, aten.arange.start,
     aten.scalar_tensor.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
-    aten.empty_strided.default, aten.eye.default, aten.randn.default, aten.rand.default,
+    aten.empty_strided.default, aten.empty_permuted.default, aten.eye.default, aten.randn.default, aten.rand.default,
 ]
 LIKE = [
     aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
