@@ -7,6 +7,7 @@ from .api import shard
 from .constrain import constrain
 from .errors import ShardingError
 from .inspect import comm_stats, explain
+from .jit import ShardedFunction, jit
 from .memory import memory
 from .mesh import init_mesh
 from .module import ShardedModule
@@ -19,5 +20,5 @@ from .styles import (
 __all__ = [
     "P", "Shard", "Replicate", "Partial", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
-    "ShardingError", "ShardedModule", "init_mesh", "shard", "memory", "explain", "comm_stats",
+    "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
 ]

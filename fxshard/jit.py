@@ -1,0 +1,431 @@
+"""``fxshard.jit``: shard a whole pure function over pytrees of tensors, JAX-style.
+
+A training step written functionally (``torch.func.functional_call`` +
+``torch.func.grad_and_value``, the optimizer update as tensor math, returning
+the loss and the new parameters and optimizer state) is one ATen graph: the
+forward, the backward and the update. ``jit`` traces it with global shapes
+under fake tensors, seeds its inputs from ``in_specs``, requires its outputs
+per ``out_specs``, and runs the same passes as ``fxshard.shard`` (propagate,
+redistribute, localize, emit). The backward and optimizer collectives fall
+out of propagation; parameters and optimizer state stay sharded end to end.
+
+Tracing (``ShardedFunction._trace``) requires a pure ``fn`` and ensures a
+functional core-ATen graph with one placeholder per tensor leaf of the
+arguments (in pytree order, named after the argument path, e.g.
+``in_params_net1_weight``) and one output per leaf of the result:
+``make_fx(functionalize(fn), tracing_mode="fake")`` with the core-ATen table
+plus ``fxshard.passes.trace.decomposition_table()`` (and ``scatter.value``
+rewritten into ops that have rules), attention on the math SDPA backend so its
+backward is plain ATen; ``aten.alias`` and shape assertions dropped and the
+graph CSE'd, as ``passes/joint.py`` does. A mutated argument is a ShardingError.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._decomp import core_aten_decompositions
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.func import functionalize
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
+
+from .api import run_passes
+from .consistency import check_same_on_all_ranks
+from .context import ShardContext
+from .errors import ShardingError
+from .mesh import MeshInfo
+from .module import Program
+from .passes.annotate import check_divisible, spec_leaves
+from .passes.localize import runtime_device
+from .passes.trace import DROP, _cse, _user_frame, decomposition_table
+from .placements import P, Pl
+from .plan import is_spec_leaf, to_placements
+from .registry import output_leaves
+from .spec import shard_factor
+
+__all__ = ["jit", "ShardedFunction"]
+
+aten = torch.ops.aten
+
+
+def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
+    """``scatter.value`` (nll_loss's backward) as ``scatter_add`` + ``where``, which have sharding rules."""
+    hits = torch.zeros_like(self).scatter_add(dim, index, torch.ones_like(index, dtype=self.dtype))
+    return torch.where(hits > 0, value, self)
+
+
+@functools.lru_cache(maxsize=None)
+def _decompositions() -> dict:
+    """Core ATen + fxshard's table (softmax pieces), plus ``scatter.value`` in ops that have rules (built once)."""
+    table = dict(core_aten_decompositions())
+    table.update(decomposition_table())
+    table[aten.scatter.value] = _scatter_value
+    return table
+
+
+@dataclass
+class _Leaf:
+    """One flattened argument leaf: a tensor (with its placements) or a static Python value."""
+
+    path: str  # readable, e.g. "params['net1.weight']"
+    is_tensor: bool
+    value: Any = None  # static leaves only
+    pls: tuple[Pl, ...] = ()
+    global_shape: tuple[int, ...] = ()
+    local_shape: tuple[int, ...] = ()
+    dtype: Optional[torch.dtype] = None
+
+
+@dataclass
+class _Compiled:
+    """One traced and sharded program, for one input signature."""
+
+    program: Program
+    out_tree: Any
+
+
+def _path_str(names: Sequence[str], path: tuple) -> str:
+    head, rest = path[0], path[1:]
+    i = getattr(head, "idx", None)
+    base = names[i] if isinstance(i, int) and i < len(names) else f"args[{i}]"
+    return base + pytree.keystr(rest)
+
+
+def _ident(s: str) -> str:
+    s = re.sub(r"[^0-9a-zA-Z_]+", "_", s).strip("_")
+    return s if s and not s[0].isdigit() else f"a_{s}"
+
+
+def _static_key(x: Any) -> Any:
+    try:
+        hash(x)
+        return (type(x), x)
+    except TypeError:
+        return (type(x), repr(x))
+
+
+class ShardedFunction:
+    """This rank's sharded version of a pure function (returned by :func:`jit`).
+
+    ``__call__(*args)`` takes this rank's LOCAL pieces of the arguments (laid
+    out per ``in_specs``) and returns the local pieces of the results (per
+    ``out_specs``), in the same pytree structures as the function's. The
+    program is traced for one input signature (pytree structure, local
+    shapes, dtypes, static leaf values) and cached; a new signature traces
+    again (on every rank, like ``jax.jit``). ``fxshard.explain`` and
+    ``fxshard.comm_stats`` describe the most recently used program.
+    """
+
+    def __init__(self, fn: Callable, mesh: DeviceMesh, in_specs: Any, out_specs: Any) -> None:
+        self._fn = fn
+        self._mesh = mesh
+        self._info = MeshInfo.of(mesh)
+        self._in_specs = in_specs
+        self._out_specs = out_specs
+        self._cache: dict[Any, _Compiled] = {}
+        self._last: Optional[_Compiled] = None
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+        self._sig = sig
+        self._arg_names: list[str] = []
+        if sig is not None:
+            self._arg_names = [p.name for p in sig.parameters.values()
+                               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    # ---- describing -------------------------------------------------------------------------
+    def _programs(self) -> list[Program]:
+        if self._last is None:
+            raise ShardingError(
+                f"fxshard.jit({self.__name__}) has not been traced yet, so there is no program to describe; "
+                f"call it once, or pass example_inputs= (global shapes, meta tensors work) to fxshard.jit"
+            )
+        return [self._last.program]
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The per-rank GraphModule of the most recently used program."""
+        return self._programs()[0].gm
+
+    def __repr__(self) -> str:
+        return (f"ShardedFunction({self.__name__}, mesh={dict(zip(self._info.names, self._info.sizes))}, "
+                f"traced signatures={len(self._cache)})")
+
+    # ---- arguments ---------------------------------------------------------------------------
+    def _check_arity(self, args: tuple) -> None:
+        if self._sig is not None:
+            try:
+                self._sig.bind(*args)
+            except TypeError as e:
+                raise ShardingError(
+                    f"{self.__name__}{self._sig} was called with {len(args)} positional argument(s): {e}; "
+                    f"call the sharded function with the same positional arguments as the original "
+                    f"(keyword arguments are not supported: pass them positionally)"
+                ) from None
+        specs = self._in_specs
+        if specs is not None and isinstance(specs, (tuple, list)) and not is_spec_leaf(specs):
+            if len(specs) != len(args):
+                raise ShardingError(
+                    f"in_specs has {len(specs)} entries but {self.__name__} was called with {len(args)} positional "
+                    f"argument(s); give in_specs one entry (a spec or a spec pytree, None for replicated) per "
+                    f"positional argument"
+                )
+
+    def _leaves(self, args: tuple, global_shapes: bool) -> tuple[list[_Leaf], list[Any], Any]:
+        """Describe the flattened ``args``; ``global_shapes`` says whether tensors hold global or local shapes."""
+        self._check_arity(args)
+        with_path, tree = pytree.tree_flatten_with_path(tuple(args))
+        flat = [x for _, x in with_path]
+        specs = spec_leaves(self._in_specs, tuple(args), "in_specs") if self._in_specs is not None \
+            else [None] * len(flat)
+        info = self._info
+        leaves: list[_Leaf] = []
+        for (path, x), spec in zip(with_path, specs):
+            name = _path_str(self._arg_names, path)
+            if not isinstance(x, torch.Tensor):  # static: the same Python value on every rank; specs do not apply
+                leaves.append(_Leaf(name, False, value=x))
+                continue
+            pls = to_placements(spec, info, x.dim(), f"in_specs for {name}")
+            shape = tuple(int(s) for s in x.shape)
+            if global_shapes:
+                check_divisible(f"{name} (shape {shape})", shape, pls, info)
+                gshape = shape
+                lshape = tuple(s // shard_factor(pls, info.sizes, d) for d, s in enumerate(shape))
+            else:
+                lshape = shape
+                gshape = tuple(s * shard_factor(pls, info.sizes, d) for d, s in enumerate(shape))
+            leaves.append(_Leaf(name, True, pls=pls, global_shape=gshape, local_shape=lshape, dtype=x.dtype))
+        return leaves, flat, tree
+
+    @staticmethod
+    def _key(tree: Any, leaves: list[_Leaf]) -> Any:
+        return (tree, tuple(("T", l.local_shape, l.dtype) if l.is_tensor else ("S", _static_key(l.value))
+                            for l in leaves))
+
+    # ---- tracing -----------------------------------------------------------------------------
+    def _compile(self, leaves: list[_Leaf], tree: Any) -> _Compiled:
+        info = self._info
+        check_same_on_all_ranks({
+            "mesh": f"{dict(zip(info.names, info.sizes))}",
+            "function": getattr(self._fn, "__qualname__", self.__name__),
+            "in_specs": repr(self._in_specs),
+            "out_specs": repr(self._out_specs),
+            "input signature": repr([(l.path, l.global_shape, str(l.dtype)) if l.is_tensor else (l.path, l.value)
+                                     for l in leaves]),
+        })
+        ctx = ShardContext(mesh=info, label="forward")
+        gm, out_tree = self._trace(leaves, tree, runtime_device(ctx))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        tensor_leaves = [l for l in leaves if l.is_tensor]
+        for node, leaf in zip(placeholders, tensor_leaves):
+            node._rename("in_" + _ident(leaf.path))
+            node.target = node.name  # the argument name in the generated code, too
+            ctx.seeds[node.name] = leaf.pls
+        ctx.out_required = self._out_required(gm, out_tree)
+        gm = run_passes(gm, ctx)
+        return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree)
+
+    def _trace(self, leaves: list[_Leaf], tree: Any, device: torch.device) -> tuple[fx.GraphModule, Any]:
+        fn = self._fn
+        out_tree: list[Any] = [None]
+
+        def flat_fn(*tensors: torch.Tensor) -> list[Any]:
+            it = iter(tensors)
+            flat = [next(it) if l.is_tensor else l.value for l in leaves]
+            outs = fn(*pytree.tree_unflatten(flat, tree))
+            out_flat, out_tree[0] = pytree.tree_flatten(outs)
+            for i, o in enumerate(out_flat):
+                if not isinstance(o, (torch.Tensor, int, float, bool, str)):
+                    raise ShardingError(
+                        f"{self.__name__} returned a {type(o).__name__} as output leaf {i}; a jitted function "
+                        f"returns pytrees (tuples, lists, dicts) of tensors and Python scalars only"
+                    )
+            return out_flat
+
+        anchor = getattr(torch.fx.proxy, "_register_stack_trace_anchor", None)
+        if anchor is not None:  # keep fn's own frames in stack traces: explain() names the line of the step
+            anchor(fn)
+        mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+        with mode:  # fake tensors with the global shapes: nothing is allocated
+            fakes = [torch.empty(l.global_shape, dtype=l.dtype, device=device) for l in leaves if l.is_tensor]
+        try:
+            # functionalize: in-place ops of decompositions (linear's bias add_) become functional, and a
+            # mutated argument shows up as a final copy_ into its placeholder (rejected below). The math
+            # SDPA backend decomposes attention above autograd, so its backward is plain ATen too.
+            with sdpa_kernel([SDPBackend.MATH]):
+                gm = make_fx(functionalize(flat_fn, remove="mutations"), tracing_mode="fake",
+                             decomposition_table=_decompositions(), record_stack_traces=True)(*fakes)
+        except ShardingError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ShardingError(
+                f"could not trace {self.__name__} with make_fx (fake tensors, global shapes): {type(e).__name__}: "
+                f"{msg} [at {_user_frame(e)}]; a jitted function must be pure tensor code: no data-dependent "
+                f"Python control flow, no .item()/.tolist(), every tensor it reads passed as an argument"
+            ) from e
+        g = gm.graph
+        paths = {n: l.path for n, l in zip([n for n in g.nodes if n.op == "placeholder"],
+                                            [l for l in leaves if l.is_tensor])}
+        for n in list(g.nodes):
+            if n.op != "call_function":
+                continue
+            if n.target is aten.alias.default:
+                n.replace_all_uses_with(n.args[0])
+                g.erase_node(n)
+            elif n.target in DROP:
+                g.erase_node(n)
+            elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+                dst = n.args[0] if n.args else None
+                what = f"its argument {paths[dst]}" if dst in paths else f"a tensor ({n.target})"
+                raise ShardingError(
+                    f"{self.__name__} updates {what} in place; fxshard.jit shards pure functions: compute the new "
+                    f"value and return it (p = p - lr * g instead of p.sub_(lr * g); torch.optim optimizers "
+                    f"update in place, so write the update as tensor math and return the new state)"
+                )
+        g.eliminate_dead_code()
+        gm = _cse(gm)
+        return gm, out_tree[0]
+
+    def _out_required(self, gm: fx.GraphModule, out_tree: Any) -> list[Optional[tuple[Pl, ...]]]:
+        out_node = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = output_leaves(out_node)
+        struct = pytree.tree_unflatten(list(range(len(outs))), out_tree)
+        specs = spec_leaves(self._out_specs, struct, "out_specs") if self._out_specs is not None \
+            else [None] * len(outs)
+        paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(struct)[0]]
+        req: list[Optional[tuple[Pl, ...]]] = []
+        for leaf, spec, path in zip(outs, specs, paths):
+            val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
+            what = f"out_specs for output{path}"
+            if isinstance(val, torch.Tensor):
+                pls = to_placements(spec, self._info, val.dim(), what)
+                check_divisible(f"output{path} (shape {tuple(val.shape)})", tuple(val.shape), pls, self._info)
+                req.append(pls)
+            else:  # a Python scalar (or None): the same on every rank
+                req.append(None)
+        return req
+
+    # ---- running -----------------------------------------------------------------------------
+    def lower(self, *global_args: Any) -> "ShardedFunction":
+        """Trace and shard ahead of time for arguments with GLOBAL shapes (real or meta tensors); returns self."""
+        leaves, _, tree = self._leaves(tuple(global_args), global_shapes=True)
+        key = self._key(tree, leaves)
+        if key not in self._cache:
+            self._cache[key] = self._compile(leaves, tree)
+        self._last = self._cache[key]
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Local results for this rank's local arguments (see class doc)."""
+        if kwargs:
+            raise ShardingError(
+                f"{self.__name__} was called with keyword arguments {sorted(kwargs)}; a jitted function takes "
+                f"positional arguments only (in_specs describes them by position): pass them positionally"
+            )
+        leaves, flat, tree = self._leaves(tuple(args), global_shapes=False)
+        key = self._key(tree, leaves)
+        comp = self._cache.get(key)
+        if comp is None:
+            comp = self._cache[key] = self._compile(leaves, tree)
+        self._last = comp
+        tensors = [x for x, l in zip(flat, leaves) if l.is_tensor]
+        with torch.no_grad():  # a pure program on local tensors: differentiate inside fn, not through it
+            outs = comp.program.gm(*tensors)
+        return pytree.tree_unflatten(list(outs), comp.out_tree)
+
+
+def _check_spec_tree(specs: Any, what: str, info: MeshInfo) -> None:
+    """Every leaf of a spec pytree is None or a spec, and every mesh axis a P names exists (before tracing)."""
+    if specs is None:
+        return
+    if is_spec_leaf(specs):
+        if isinstance(specs, P):
+            for d in range(len(specs)):
+                for a in specs.axes_of(d):
+                    if a not in info.names:
+                        raise ShardingError(
+                            f"{what}: {specs!r} names mesh axis {a!r}, but the mesh axes are {info.names}; "
+                            f"use one of those names"
+                        )
+        return
+    if isinstance(specs, (tuple, list)):
+        for i, s in enumerate(specs):
+            _check_spec_tree(s, f"{what}[{i}]", info)
+        return
+    if isinstance(specs, dict):
+        for k, s in specs.items():
+            _check_spec_tree(s, f"{what}[{k!r}]", info)
+        return
+    raise ShardingError(
+        f"{what}: {specs!r} is not a sharding spec; use None (replicated), P('tp', None), Shard(0)/Replicate() "
+        f"(one per mesh axis), or a tuple/list/dict of those shaped like the values"
+    )
+
+
+def jit(fn: Callable, mesh: DeviceMesh, *, in_specs: Any = None, out_specs: Any = None,
+        example_inputs: Optional[Sequence[Any]] = None) -> ShardedFunction:
+    """Shard the pure function ``fn`` over ``mesh``; returns this rank's :class:`ShardedFunction`.
+
+    ``fn(*args)`` takes and returns pytrees (tuples, lists, dicts) of tensors;
+    Python scalars among the arguments are static (baked into the program).
+    ``in_specs`` is a spec pytree prefix of ``args`` and ``out_specs`` one of
+    the results: each spec is ``None`` (replicated), a ``P(...)`` or
+    placements (``Shard``/``Replicate``/``Partial``, one per mesh axis), and
+    one spec at an inner node covers every tensor under it (so
+    ``in_specs=(param_specs, param_specs, None)`` shards parameters and the
+    optimizer state alike and replicates the batch). Default: replicated.
+
+    The result is called on each rank with the LOCAL pieces of the arguments
+    and returns the local pieces of the results laid out per ``out_specs``;
+    nothing is gathered that ``out_specs`` does not ask for. The program is
+    traced at the first call (global shapes follow from the local ones and
+    the specs) or ahead of time from ``example_inputs`` with GLOBAL shapes
+    (real or meta tensors: tracing uses fake tensors and allocates nothing).
+
+    A training step fits when written functionally, e.g.::
+
+        def step(params, opt_state, batch):
+            grads, loss = torch.func.grad_and_value(
+                lambda p: loss_fn(torch.func.functional_call(model, p, batch)))(params)
+            new = {k: params[k] - lr * grads[k] for k in params}
+            return loss, new, opt_state
+
+    Limits: ``fn`` must be pure. In-place updates (``p.sub_(...)``, and so
+    ``torch.optim`` optimizers, which update in place) are rejected with a
+    ShardingError: write the optimizer as tensor math (for AdamW: ``m``,
+    ``v`` and a step-count tensor as state). Pass every tensor ``fn`` reads as
+    an argument (a model's buffers too, via ``functional_call``); pass a
+    step count or a scheduled learning rate as a tensor, not a Python number,
+    or each new value traces again. Differentiate inside ``fn``: the returned
+    function runs under ``no_grad``. Uneven shards are not supported (split
+    dims must divide). Spec errors and calls with the wrong number of
+    arguments raise ShardingError.
+    """
+    if not callable(fn):
+        raise ShardingError(f"fxshard.jit expects a function, got {type(fn).__name__}; pass the step function itself")
+    sf = ShardedFunction(fn, mesh, in_specs, out_specs)
+    if isinstance(in_specs, (tuple, list)) and not is_spec_leaf(in_specs):
+        for i, s in enumerate(in_specs):
+            name = sf._arg_names[i] if i < len(sf._arg_names) else f"args[{i}]"
+            _check_spec_tree(s, f"in_specs for {name}", sf._info)
+    else:
+        _check_spec_tree(in_specs, "in_specs", sf._info)
+    _check_spec_tree(out_specs, "out_specs for output", sf._info)
+    if example_inputs is not None:
+        ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        sf.lower(*ex)
+    return sf
