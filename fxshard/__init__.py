@@ -10,6 +10,7 @@ from .inspect import comm_stats, explain
 from .jit import ShardedFunction, jit
 from .memory import memory
 from .mesh import init_mesh
+from .optim_state import load_optim_state_dict, optim_state_dict
 from .module import ShardedModule
 from .placements import P
 from .styles import (
@@ -21,4 +22,5 @@ __all__ = [
     "P", "Shard", "Replicate", "Partial", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
+    "optim_state_dict", "load_optim_state_dict",
 ]

@@ -183,6 +183,27 @@ class ShardedModule(nn.Module):
         shape = torch.Size(int(s) for s in self._global_shapes[fqn])
         return DTensor.from_local(local, self._mesh, pls, shape=shape, stride=_contiguous_stride(shape))
 
+    def sharded_state_dict(self) -> dict[str, DTensor]:
+        """The state dict with every entry a DTensor over the mesh (no communication).
+
+        This is what ``torch.distributed.checkpoint`` (DCP) saves and loads: its metadata
+        records the global shapes and placements, so a checkpoint saved at one mesh loads at
+        another mesh, or into the unsharded model.
+        """
+        return {name: self._dtensor(name, local.detach()) for name, local in self.state_dict(keep_vars=True).items()}
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy DTensors (e.g. filled in place by ``dcp.load``) into the local shards."""
+        own = self.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        if missing:
+            raise ShardingError(f"load_sharded_state_dict: missing keys {missing[:5]}; pass sm.sharded_state_dict() "
+                                f"after loading into it")
+        with torch.no_grad():
+            for name, local in own.items():
+                v = state_dict[name]
+                local.copy_(v.to_local() if isinstance(v, DTensor) else v)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under exactly the original ``model.state_dict()`` keys (a collective: call on all ranks)."""
         out = {}
