@@ -204,11 +204,20 @@ class ShardedModule(nn.Module):
                 v = state_dict[name]
                 local.copy_(v.to_local() if isinstance(v, DTensor) else v)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under exactly the original ``model.state_dict()`` keys (a collective: call on all ranks)."""
+    def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+        """Full tensors under exactly the original ``model.state_dict()`` keys (a collective: call on all ranks).
+
+        Tensors are gathered one at a time; with ``cpu_offload`` each is moved to CPU right away,
+        and with ``rank0_only`` other ranks drop it (they return ``{}``), so exporting a model to
+        one file needs at most one full tensor of device memory on any rank.
+        """
+        keep = not rank0_only or torch.distributed.get_rank() == 0
         out = {}
         for name, local in self.state_dict(keep_vars=True).items():
-            out[name] = self._dtensor(name, local.detach()).full_tensor()
+            full = self._dtensor(name, local.detach()).full_tensor()
+            if keep:
+                out[name] = full.cpu() if cpu_offload else full
+            del full
         return out
 
     def load_full_state_dict(self, src: Any) -> None:

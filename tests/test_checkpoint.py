@@ -50,7 +50,9 @@ def _load(rank: int, world: int, path: str) -> dict:
     dcp.load(state, checkpoint_id=path)
     sm.load_sharded_state_dict(state["model"])
     fxshard.load_optim_state_dict(sm, opt, state["optim"])
-    return {"params": sm.full_state_dict(), "optim": _full_optim(sm, opt), "lr": opt.param_groups[0]["lr"]}
+    rank0 = sm.full_state_dict(rank0_only=True, cpu_offload=True)
+    return {"params": sm.full_state_dict(), "optim": _full_optim(sm, opt), "lr": opt.param_groups[0]["lr"],
+            "rank0": rank0}
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -66,6 +68,7 @@ def test_save_at_tp2_load_at_tp4_and_unsharded():
             assert _max_diff(res["params"], saved["params"]) == 0.0
             assert _max_diff(res["optim"], saved["optim"]) == 0.0
             assert res["lr"] == 1e-2  # param groups restored too
+        assert _max_diff(loaded[0]["rank0"], saved["params"]) == 0.0 and all(r["rank0"] == {} for r in loaded[1:])
         # into the plain unsharded model, no process group: DCP reassembles the shards
         model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16, tie=False)
         sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
