@@ -4,6 +4,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import rules as _rules  # noqa: F401  (registers every op rule)
 from .api import shard
+from .compile import backend, backend_options
 from .constrain import constrain
 from .errors import ShardingError
 from .inspect import comm_stats, explain
@@ -23,4 +24,5 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
     "optim_state_dict", "load_optim_state_dict",
+    "backend", "backend_options",
 ]
