@@ -47,7 +47,7 @@ from .mesh import MeshInfo
 from .module import Program
 from .passes.annotate import check_divisible, spec_leaves
 from .passes.localize import runtime_device
-from .passes.trace import DROP, _cse, _user_frame, decomposition_table
+from .passes.trace import DROP, _cse, decomposition_table, tracing_error
 from .placements import P, Pl
 from .plan import is_spec_leaf, to_placements
 from .registry import output_leaves
@@ -271,12 +271,10 @@ class ShardedFunction:
         except ShardingError:
             raise
         except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ShardingError(
-                f"could not trace {self.__name__} with make_fx (fake tensors, global shapes): {type(e).__name__}: "
-                f"{msg} [at {_user_frame(e)}]; a jitted function must be pure tensor code: no data-dependent "
-                f"Python control flow, no .item()/.tolist(), every tensor it reads passed as an argument"
-            ) from e
+            raise tracing_error(
+                f"{self.__name__} with make_fx (fake tensors, global shapes)", e,
+                "a jitted function must be pure tensor code: no data-dependent Python control flow, no "
+                ".item()/.tolist(), every tensor it reads passed as an argument") from e
         g = gm.graph
         paths = {n: l.path for n, l in zip([n for n in g.nodes if n.op == "placeholder"],
                                             [l for l in leaves if l.is_tensor])}

@@ -11,7 +11,7 @@ import fxshard
 from fxshard import P
 from tests import models
 from tests.dist_utils import run_ranks
-from tests.test_training import _max_param_diff
+from tests.test_training import _max_param_diff, train_on_local_batches
 
 TOL = 1e-5
 
@@ -39,17 +39,8 @@ def _train_2d(rank: int, world: int, fsdp: bool) -> dict:
     sm = fxshard.shard(copy.deepcopy(model), mesh, transformer_specs(2, fsdp), example_inputs=batches[0],
                        in_specs=(P("dp"), P("dp")))
     # SGD: AdamW would turn the key bias's exactly-zero gradient (softmax shift invariance) into sign noise
-    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(sm.parameters(), lr=0.5)
-    errs = []
-    for i in range(3):
-        b = batches[i % 2]
-        for m, o, inp in ((model, opt_ref, b), (sm, opt, local(b))):
-            o.zero_grad()
-            loss = m(*inp)
-            loss.backward()
-            o.step()
-            errs.append(loss.item())
-    return {"loss_err": max(abs(errs[i] - errs[i + 1]) for i in range(0, len(errs), 2)),
+    loss_err = train_on_local_batches(model, sm, batches, local, steps=3)
+    return {"loss_err": loss_err,
             "param_err": _max_param_diff(sm.full_state_dict(), model), "stats": fxshard.comm_stats(sm),
             "wq": tuple(sm.get_parameter("layers.0.attn.wq.weight").shape)}
 

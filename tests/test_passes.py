@@ -41,6 +41,7 @@ from fxshard.registry import tensor_inputs
 from fxshard.spec import META_KEY, Spec
 from fxshard.symbolic import sym_shape
 from tests import models
+from tests.test_forward_parity import transformer_plan
 from tests.conftest import fake_world
 
 aten = torch.ops.aten
@@ -54,15 +55,6 @@ COLLECTIVES = {
 }
 
 
-def transformer_plan(n_layers: int) -> dict:
-    """Megatron TP: q/k/v and w1 colwise, wo and w2 rowwise, the (tied) embedding vocab-split."""
-    plan: dict = {"tok_emb": RowwiseParallel()}
-    for i in range(n_layers):
-        plan.update({f"layers.{i}.attn.w{p}": ColwiseParallel() for p in "qkv"})
-        plan[f"layers.{i}.attn.wo"] = RowwiseParallel()
-        plan[f"layers.{i}.mlp.w1"] = ColwiseParallel()
-        plan[f"layers.{i}.mlp.w2"] = RowwiseParallel()
-    return plan
 
 
 def toy() -> nn.Module:

@@ -36,6 +36,23 @@ def _train(model, sm, batches, loss_fn, opt_name: str, steps: int) -> tuple[list
     return ref_losses, losses
 
 
+def train_on_local_batches(model, sm, batches, local, steps: int, lr: float = 0.5) -> float:
+    """SGD steps: ``model`` on global batches, ``sm`` on this rank's ``local(batch)``; max |loss diff|."""
+    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(sm.parameters(), lr=lr)
+    worst = 0.0
+    for i in range(steps):
+        b = batches[i % len(batches)]
+        losses = []
+        for m, o, inp in ((model, opt_ref, b), (sm, opt, local(b))):
+            o.zero_grad()
+            loss = m(*inp)
+            loss.backward()
+            o.step()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[0] - losses[1]))
+    return worst
+
+
 def _toy_train(rank: int, world: int, opt_name: str) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     model = models.ToyModel(16, 32)
@@ -123,20 +140,10 @@ def _seed004_train(rank: int, world: int) -> dict:
     plan = {"linear.weight": P("tp", None), "linear.bias": P("tp")}
     local = lambda b: (b[0].chunk(world)[rank], b[1].chunk(world)[rank])
     sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batches[0], in_specs=(P("tp"), P("tp")))
-    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(sm.parameters(), lr=0.5)
-    errs = []
-    for i in range(3):
-        b = batches[i % 2]
-        for m, o, inp in ((model, opt_ref, b), (sm, opt, local(b))):
-            o.zero_grad()
-            loss = m(*inp)
-            loss.backward()
-            o.step()
-            errs.append(loss.item())
+    loss_err = train_on_local_batches(model, sm, batches, local, steps=3)
     stats = fxshard.comm_stats(sm)
     total = sum(v["bytes"] for prog in stats.values() for v in prog.values())
-    return {"loss_err": max(abs(errs[i] - errs[i + 1]) for i in range(0, len(errs), 2)),
-            "param_err": _max_param_diff(sm.full_state_dict(), model), "bytes": total, "logits": 8 * 8192 * 4,
+    return {"loss_err": loss_err, "param_err": _max_param_diff(sm.full_state_dict(), model), "bytes": total, "logits": 8 * 8192 * 4,
             "stats": stats}
 
 

@@ -114,6 +114,12 @@ def _user_frame(exc: BaseException) -> str:
     return "unknown location"
 
 
+def tracing_error(what: str, e: BaseException, fix: str) -> ShardingError:
+    """One readable error for a failed trace: what was traced, the cause, the user's line, the fix."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ShardingError(f"could not trace {what}: {type(e).__name__}: {msg} [at {_user_frame(e)}]; {fix}")
+
+
 def _to_meta_like(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor) and x.device != device:
         return x.to(device)
@@ -176,12 +182,10 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     except ShardingError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ShardingError(
-            f"could not trace {type(model).__name__} with torch.export (non-strict): {type(e).__name__}: {msg} "
-            f"[at {_user_frame(e)}]; make forward traceable (no data-dependent Python control flow, "
-            f"no .item()/.tolist() on tensors) or pass example_inputs matching forward's signature"
-        ) from e
+        raise tracing_error(
+            f"{type(model).__name__} with torch.export (non-strict)", e,
+            "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on tensors) "
+            "or pass example_inputs matching forward's signature") from e
 
     gm = ep.graph_module
     sig = ep.graph_signature
