@@ -10,6 +10,8 @@ op's rule admits, each mesh axis takes the one with the least redistribution
 cost (bytes moved), counting a redistribution another consumer already paid
 for as free, so a value is all-reduced once however many ops read it.
 Ops without a rule fall back to all-replicated with a one-time warning.
+A backward sweep then lets an op whose only consumer wants another layout
+produce it directly when that is cheaper, repeated to a fixed point.
 """
 
 from __future__ import annotations
@@ -159,7 +161,67 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         node.meta[STRATEGY_KEY] = tuple(chosen)
         node.meta[IN_KEY] = [tuple(st.inputs[i] for st in chosen) for i in range(len(ins))]
         node.meta[META_KEY] = _out_specs(node, chosen, out_shape)
+    _refine(gm, ctx)
     return gm
+
+
+def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
+    """Backward sweep to a fixed point: an op whose only consumer needs its result in another layout
+    switches to a strategy producing that layout directly when that moves fewer bytes than computing
+    and then redistributing (e.g. an FSDP update reduce-scatters the gradient instead of gathering the
+    parameter and reduce-scattering the result). Each switch strictly lowers the cost, so it ends."""
+    sizes = ctx.mesh.sizes
+    k = len(sizes)
+
+    def tc(x: fx.Node, src: Pl, dst: Pl, a: int) -> float:
+        return 0.0 if src == dst else transition_cost(src, dst, _nbytes(x.meta["val"]), sizes[a])
+
+    for _ in range(max_rounds):
+        changed = False
+        for node in reversed(list(gm.graph.nodes)):
+            spec = node.meta.get(META_KEY)
+            if (node.op != "call_function" or STRATEGY_KEY not in node.meta or node.meta.get(FALLBACK_KEY)
+                    or not isinstance(spec, Spec) or len(node.users) != 1):
+                continue
+            user = next(iter(node.users))
+            req = user.meta.get(IN_KEY)
+            if req is None:
+                continue
+            wants = {tuple(req[i]) for i, x in enumerate(tensor_inputs(user)) if x is node}
+            if len(wants) != 1:
+                continue
+            want = wants.pop()
+            if want == spec.placements:
+                continue
+            ins = tensor_inputs(node)
+            in_specs = [x.meta[META_KEY] for x in ins]
+            cur_req = node.meta[IN_KEY]
+            cur = sum(tc(x, s.placements[a], r[a], a) for x, s, r in zip(ins, in_specs, cur_req) for a in range(k))
+            cur += sum(tc(node, spec.placements[a], want[a], a) for a in range(k))
+            rule = lookup(node.target)
+            chosen: list[Strategy] = []
+            new = 0.0
+            for a in range(k):
+                call = OpCall(node, [s.shape for s in in_specs], [s.placements[a] for s in in_specs], spec.shape,
+                              [s.dtype for s in in_specs])
+                best, best_cost = None, float("inf")
+                for st in rule(call, sizes[a]):
+                    if st.output != want[a] or not _valid(st, chosen, in_specs, spec.shape, sizes, k):
+                        continue
+                    c = sum(tc(x, s.placements[a], p, a) for x, s, p in zip(ins, in_specs, st.inputs))
+                    if c < best_cost:
+                        best, best_cost = st, c
+                if best is None:
+                    break
+                chosen.append(best)
+                new += best_cost
+            if len(chosen) == k and new < cur * 0.999:  # a real saving, not a tie broken by epsilons
+                node.meta[STRATEGY_KEY] = tuple(chosen)
+                node.meta[IN_KEY] = [tuple(st.inputs[i] for st in chosen) for i in range(len(ins))]
+                node.meta[META_KEY] = spec.with_placements(want)
+                changed = True
+        if not changed:
+            return
 
 
 def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int) -> bool:
