@@ -60,3 +60,24 @@ def test_tensor_parallel_plus_fsdp_2x2():
         assert res["wq"] == (16, 16)  # each rank holds 1/4 of a 2-D-split weight
         bwd = res["stats"]["backward"]
         assert bwd["reduce_scatter"]["count"] > 0  # gradients of dp-split weights arrive reduce-scattered
+
+
+def _llama_sp_2d(rank: int, world: int) -> dict:
+    from tests.test_plans import llama_seed003_plan
+
+    mesh = fxshard.init_mesh(dp=2, tp=2)
+    dp_rank = mesh.get_coordinate()[0]
+    model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
+    batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 3)) for s in range(2)]
+    local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
+    sm = fxshard.shard(copy.deepcopy(model), mesh, llama_seed003_plan(), example_inputs=batches[0],
+                       in_specs=(P("dp"), P("dp")))
+    loss_err = train_on_local_batches(model, sm, batches, local, steps=2)
+    return {"loss_err": loss_err, "param_err": _max_param_diff(sm.full_state_dict(), model)}
+
+
+def test_seed003_sequence_parallel_plan_with_data_parallel_2x2():
+    # batch split on dp and sequence split on tp share the flattened [batch*seq] dim of the MLP:
+    # a regression test for combining a strided split with another axis on one dim
+    for res in run_ranks(_llama_sp_2d, 4, timeout=300):
+        assert res["loss_err"] <= TOL and res["param_err"] <= TOL, res

@@ -56,6 +56,12 @@ def _nbytes(val: torch.Tensor) -> float:
 
 
 def _divisible(shape: Sequence, pls: Sequence[Pl], sizes: Sequence[int]) -> bool:
+    """Every split dim divides, and no dim split over several axes has a strided split among them
+    (collectives treat a strided split's outer factor as global, which another axis would change)."""
+    split = [p for p in pls if isinstance(p, S)]
+    for p in split:
+        if p.outer > 1 and sum(1 for q in split if q.dim == p.dim) > 1:
+            return False
     for d, size in enumerate(shape):
         f = shard_factor(pls, sizes, d)
         if f > 1 and not divides(size, f):
