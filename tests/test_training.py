@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import fxshard
@@ -180,3 +181,25 @@ def test_gradient_accumulation_and_no_grad_inference():
         assert res["grad_err"] <= TOL
         assert res["infer_err"] <= TOL and res["no_graph"]
         assert res["eval_err"] <= TOL
+
+
+def _conv(rank: int, world: int, spec: str) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3, padding=1))
+    x = torch.randn(4, 4, 6, 6)
+    plan = {"0.weight": P("tp"), "0.bias": P("tp"), "2.weight": P(None, "tp")} if spec == "channels" else {}
+    in_specs = (P("tp"),) if spec == "batch" else None
+    sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=(x,), in_specs=in_specs)
+    local_x = x.chunk(world)[rank] if spec == "batch" else x
+    sm(local_x).square().sum().backward()  # the output is replicated: every rank sums the global loss
+    model(x).square().sum().backward()
+    grads = {n: sm._dtensor(n, p.grad).full_tensor() for n, p in sm.named_parameters()}
+    return {"err": max((grads[n] - model.get_parameter(n).grad).abs().max().item() for n in grads),
+            "fallbacks": sm._training.bwd.fallbacks}
+
+
+@pytest.mark.parametrize("spec", ["batch", "channels"])
+def test_convolution_backward_rule(spec):
+    for res in run_ranks(_conv, 2, spec):
+        assert res["err"] <= 1e-4 and res["fallbacks"] == [], res
