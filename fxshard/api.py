@@ -44,13 +44,18 @@ def run_passes(gm: fx.GraphModule, ctx: ShardContext, verify: Optional[Callable]
     return gm
 
 
-def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo) -> list[Optional[tuple[Pl, ...]]]:
+def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo,
+                  param_pls: dict[str, tuple[Pl, ...]]) -> list[Optional[tuple[Pl, ...]]]:
+    """Required placements per output leaf: buffer updates keep their buffer's layout, user outputs
+    follow ``out_specs``."""
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     leaves = output_leaves(out_node)
-    struct = pytree.tree_unflatten(list(range(len(leaves))), traced.out_tree)
-    specs = spec_leaves(out_specs, struct, "out_specs") if out_specs is not None else [None] * len(leaves)
-    req = []
-    for i, (leaf, spec) in enumerate(zip(leaves, specs)):
+    n_mut = len(traced.mutations)
+    req: list[Optional[tuple[Pl, ...]]] = [param_pls.get(b, (R,) * len(mesh.sizes)) for b in traced.mutations]
+    user = leaves[n_mut:]
+    struct = pytree.tree_unflatten(list(range(len(user))), traced.out_tree)
+    specs = spec_leaves(out_specs, struct, "out_specs") if out_specs is not None else [None] * len(user)
+    for i, (leaf, spec) in enumerate(zip(user, specs)):
         val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
         if isinstance(val, torch.Tensor):
             req.append(to_placements(spec, mesh, val.dim(), f"out_specs for output {i}"))
@@ -85,7 +90,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     param_pls = resolve_plan(plan, model, info)
     say("tracing the forward (torch.export)")
     traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes, resolve_boundaries(plan, model, info))
-    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info))
+    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info, param_pls))
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}

@@ -175,7 +175,12 @@ class ShardedModule(nn.Module):
                     "dynamic_shapes to train"
                 )
             outs = self._fwd.gm(*feed)
-        return pytree.tree_unflatten(list(outs), self._traced.out_tree)
+        n_mut = len(self._traced.mutations)
+        if n_mut:
+            with torch.no_grad():  # buffers the forward updates (e.g. BatchNorm running statistics)
+                for name, new in zip(self._traced.mutations, outs[:n_mut]):
+                    self._lookup(name).copy_(new)
+        return pytree.tree_unflatten(list(outs[n_mut:]), self._traced.out_tree)
 
     # ---- state ---------------------------------------------------------------------------
     def _dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:

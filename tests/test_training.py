@@ -203,3 +203,28 @@ def _conv(rank: int, world: int, spec: str) -> dict:
 def test_convolution_backward_rule(spec):
     for res in run_ranks(_conv, 2, spec):
         assert res["err"] <= 1e-4 and res["fallbacks"] == [], res
+
+
+def _batchnorm(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(8, 6)
+    sm = fxshard.shard(copy.deepcopy(model), mesh, {}, example_inputs=(x,), in_specs=(P("tp"),))
+    local = x.chunk(world)[rank]
+    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(sm.parameters(), lr=0.1)
+    for _ in range(2):
+        for m, o, inp in ((model, opt_ref, x), (sm, opt, local)):
+            o.zero_grad()
+            m(inp).square().sum().backward()
+            o.step()
+    sd = model.state_dict()
+    full = sm.full_state_dict()
+    return {k: (full[k].float() - sd[k].float()).abs().max().item() for k in sd}
+
+
+def test_batchnorm_running_stats_update_with_global_batch_statistics():
+    # the batch is split over ranks, yet statistics come out global (SyncBatchNorm falls out)
+    for res in run_ranks(_batchnorm, 2):
+        assert max(res.values()) <= TOL, res
+        assert "1.running_mean" in res and "1.num_batches_tracked" in res

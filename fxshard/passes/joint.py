@@ -64,7 +64,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
         )
     out_node = next(n for n in fwd_gm.graph.nodes if n.op == "output")
     out_leaves = output_leaves(out_node)
-    diff_out = [i for i, o in enumerate(out_leaves) if isinstance(o, fx.Node)
+    diff_out = [i for i, o in enumerate(out_leaves) if i >= len(traced.mutations) and isinstance(o, fx.Node)
                 and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].is_floating_point()]
     diff_in = [i for i, w in enumerate(wants_grad) if w]
     primals = [_example(v) for v in vals]

@@ -55,6 +55,7 @@ class Traced:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)
     n_user_leaves: int = 0
     tensor_leaf_positions: list[int] = field(default_factory=list)
+    mutations: list[str] = field(default_factory=list)  # buffers updated in place: the first outputs
 
 
 DROP = {
@@ -226,11 +227,14 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
             raise ShardingError(f"unsupported exported input kind {spec.kind} for {node.name}")
         keep.append(node)
 
+    mutations: list[str] = []
     for out_spec in sig.output_specs:
-        if out_spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+        if out_spec.kind == OutputKind.BUFFER_MUTATION:
+            mutations.append(out_spec.target)
+        elif out_spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
             raise ShardingError(
-                f"forward mutates {out_spec.target!r} ({out_spec.kind.name}); in-place updates of buffers or "
-                f"inputs are not supported yet: compute the new value and return it instead"
+                f"forward mutates {out_spec.target!r} ({out_spec.kind.name}); in-place updates of inputs or "
+                f"parameters are not supported: compute the new value and return it instead"
             )
 
     for node in list(gm.graph.nodes):
@@ -253,5 +257,6 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         out_tree=ep.call_spec.out_spec,
         constants=dict(ep.constants),
         n_user_leaves=len(flat),
+        mutations=mutations,
         tensor_leaf_positions=positions,
     )
