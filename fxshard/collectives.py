@@ -203,7 +203,8 @@ def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], me
         contiguous = val.is_contiguous()
     for a in reversed(range(len(cur))):
         s, d = cur[a], dst[a]
-        if s == d:
+        if s == d or mesh.sizes[a] == 1:  # on a one-rank axis every layout holds the same data
+            cur[a] = d
             continue
         lshape = local_shape(spec.shape, cur, mesh.sizes)
         if isinstance(s, Part):
@@ -224,7 +225,8 @@ def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], me
         cur[a] = R
     for a in range(len(cur)):
         s, d = cur[a], dst[a]
-        if s == d:
+        if s == d or mesh.sizes[a] == 1:  # on a one-rank axis every layout holds the same data
+            cur[a] = d
             continue
         lshape = local_shape(spec.shape, cur, mesh.sizes)
         if isinstance(d, S):

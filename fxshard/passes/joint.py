@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._decomp import core_aten_decompositions
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -46,10 +47,12 @@ class Joint:
     n_out: int
 
 
-def _example(val: Any) -> Any:
+def _example(val: Any, mode: FakeTensorMode) -> Any:
+    """A fake tensor like ``val`` (global shape, same device): nothing is allocated."""
     if isinstance(val, torch.Tensor):
-        return torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
-                                   dtype=val.dtype, device=val.device)
+        with mode:
+            return torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
+                                       dtype=val.dtype, device=val.device)
     return val
 
 
@@ -67,8 +70,9 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     diff_out = [i for i, o in enumerate(out_leaves) if i >= len(traced.mutations) and isinstance(o, fx.Node)
                 and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].is_floating_point()]
     diff_in = [i for i, w in enumerate(wants_grad) if w]
-    primals = [_example(v) for v in vals]
-    tangents = [_example(out_leaves[i].meta["val"]) for i in diff_out]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    primals = [_example(v, mode) for v in vals]
+    tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
