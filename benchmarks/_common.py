@@ -108,3 +108,12 @@ class Stopwatch:
 
     def __exit__(self, *exc: Any) -> None:
         self.s = time.perf_counter() - self.t0
+
+
+def load_result(name: str):
+    """The JSON a benchmark wrote to ``benchmarks/results/<name>``, or None if it has not run yet."""
+    path = os.path.join(RESULTS, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)

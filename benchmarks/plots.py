@@ -9,22 +9,13 @@ Needs matplotlib (``pip install -e '.[bench]'``); uses the Agg backend (no displ
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import DOCS, RESULTS  # noqa: E402
-
-
-def _load(name: str):
-    path = os.path.join(RESULTS, name)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+from benchmarks._common import DOCS, load_result as _load  # noqa: E402
 
 
 def plot_shard_time(res: dict, path: str) -> None:

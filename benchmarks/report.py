@@ -5,22 +5,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import RESULTS, fmt_bytes  # noqa: E402
-
-
-def _load(name: str):
-    path = os.path.join(RESULTS, name)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+from benchmarks._common import fmt_bytes, load_result as _load  # noqa: E402
 
 
 def md(rows, header) -> str:
