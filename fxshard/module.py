@@ -188,6 +188,24 @@ class ShardedModule(nn.Module):
         shape = torch.Size(int(s) for s in self._global_shapes[fqn])
         return DTensor.from_local(local, self._mesh, pls, shape=shape, stride=_contiguous_stride(shape))
 
+    def init_parameters(self, init: Any) -> None:
+        """Fill every parameter and buffer from ``init(fqn, full_tensor)``, which writes the full
+        (global-shape, CPU) tensor in place; this rank keeps its slice.
+
+        One tensor is materialized at a time, so peak memory is bounded by the largest single
+        parameter. With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))`` then
+        ``nn.init.normal_``), every rank and the unsharded model get the same values.
+        """
+        from .checkpoint import rank_slices
+
+        with torch.no_grad():
+            for name, local in self.state_dict(keep_vars=True).items():
+                shape = tuple(int(s) for s in self._global_shapes[name])
+                full = torch.empty(shape, dtype=local.dtype, device="cpu")
+                init(name, full)
+                local.copy_(full[rank_slices(shape, self._placements[name], self._info)])
+                del full
+
     def sharded_state_dict(self) -> dict[str, DTensor]:
         """The state dict with every entry a DTensor over the mesh (no communication).
 

@@ -15,8 +15,8 @@ from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
 
 
-def _make(tp: int):
-    mesh = fxshard.init_mesh(tp=tp)
+def _make(tp: int, dp: int = 1):
+    mesh = fxshard.init_mesh(dp=dp, tp=tp) if dp > 1 else fxshard.init_mesh(tp=tp)
     model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16, tie=False)
     batch = (models.make_tokens(2, 16, 64, seed=1), models.make_tokens(2, 16, 64, seed=2))
     sm = fxshard.shard(copy.deepcopy(model), mesh, transformer_plan(2), example_inputs=batch)
@@ -39,8 +39,8 @@ def _save(rank: int, world: int, path: str) -> dict:
     return {"params": sm.full_state_dict(), "optim": _full_optim(sm, opt)}
 
 
-def _load(rank: int, world: int, path: str) -> dict:
-    sm, opt, batch = _make(world)
+def _load(rank: int, world: int, path: str, dp: int = 1) -> dict:
+    sm, opt, batch = _make(world // dp, dp)
     for g in opt.param_groups:  # create AdamW's state (the template DCP loads into) without changing weights
         g["lr"] = 0.0
     opt.zero_grad()
@@ -60,7 +60,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def test_save_at_tp2_load_at_tp4_and_unsharded():
+def test_save_at_tp2_load_at_tp4_2x2_and_unsharded():
     with tempfile.TemporaryDirectory() as path:
         saved = run_ranks(_save, 2, path)[0]
         loaded = run_ranks(_load, 4, path, timeout=300)
@@ -69,6 +69,9 @@ def test_save_at_tp2_load_at_tp4_and_unsharded():
             assert _max_diff(res["optim"], saved["optim"]) == 0.0
             assert res["lr"] == 1e-2  # param groups restored too
         assert _max_diff(loaded[0]["rank0"], saved["params"]) == 0.0 and all(r["rank0"] == {} for r in loaded[1:])
+        for res in run_ranks(_load, 4, path, 2, timeout=300):  # a 2x2 (dp, tp) mesh
+            assert _max_diff(res["params"], saved["params"]) == 0.0
+            assert _max_diff(res["optim"], saved["optim"]) == 0.0
         # into the plain unsharded model, no process group: DCP reassembles the shards
         model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16, tie=False)
         sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
