@@ -58,10 +58,15 @@ def _op_name(n: fx.Node) -> str:
 
 def explain(sm: Any) -> str:
     """A table a person scans: every node's op, global shape, spec and local shape, then every
-    collective with its bytes and reason (consuming op and source line), then fallbacks."""
+    collective with its bytes and reason (consuming op and source line), then fallbacks; for a
+    ShardedModule the first lines also give the per-rank memory report (``fxshard.memory``)."""
     lines: list[str] = []
     info = sm._info
     lines.append(f"mesh: " + ", ".join(f"{n}={s}" for n, s in zip(info.names, info.sizes)) + f"  (rank {info.rank})")
+    if hasattr(sm, "_training"):  # a ShardedModule: one line of fxshard.memory
+        from .memory import memory
+
+        lines.append("memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in memory(sm).items()))
     for prog in _programs(sm):
         rows = []
         for n in prog.gm.graph.nodes:
