@@ -132,3 +132,29 @@ def test_split_moving_between_dims_is_one_all_to_all():
     for res in run_ranks(_all_to_all, 2):
         assert res["err"] == 0.0
         assert res["stats"] == {"all_to_all": {"count": 1, "bytes": 4 * 3 * 8 * 4}}, res["stats"]
+
+
+class _Masked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * mask
+
+
+def _kwarg_specs(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model = _Masked().requires_grad_(False)
+    x, mask = torch.randn(4, 8), (torch.rand(4, 8) > 0.5).float()
+    sm = fxshard.shard(model, mesh, {}, example_inputs=(x,), example_kwargs={"mask": mask},
+                       in_specs=((P("tp"),), {"mask": P("tp")}), out_specs=P("tp"))
+    out = sm(x.chunk(world)[rank], mask=mask.chunk(world)[rank])
+    return {"err": (out - model(x, mask=mask).chunk(world)[rank]).abs().max().item(), "stats": fxshard.comm_stats(sm)}
+
+
+def test_in_specs_cover_keyword_inputs():
+    for res in run_ranks(_kwarg_specs, 2):
+        assert res["err"] <= TOL
+        assert res["stats"]["forward"] == {}  # both inputs arrive batch-split: nothing to communicate

@@ -52,7 +52,12 @@ def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]
              in_specs: Any, out_required: list[Optional[tuple[Pl, ...]]], label: str = "forward") -> ShardContext:
     ctx = ShardContext(mesh=mesh, label=label)
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    flat_in = spec_leaves(in_specs, tuple(args), "in_specs") if in_specs is not None else None
+    if kwargs and isinstance(in_specs, tuple) and len(in_specs) == 2 and isinstance(in_specs[1], dict):
+        # with keyword inputs, in_specs may be (specs for args, {name: spec}) covering both
+        flat_in = spec_leaves((tuple(in_specs[0]) if isinstance(in_specs[0], (tuple, list)) else in_specs[0],
+                               in_specs[1]), (tuple(args), dict(kwargs)), "in_specs")
+    else:
+        flat_in = spec_leaves(in_specs, tuple(args), "in_specs") if in_specs is not None else None
     leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
     for node, slot in zip(placeholders, traced.slots):
         val = node.meta.get("val")
