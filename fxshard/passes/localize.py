@@ -13,7 +13,7 @@ arguments name the runtime device.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -25,7 +25,7 @@ from ..errors import ShardingError
 from ..placements import Part, R, S
 from ..registry import norm_dim, tensor_inputs
 from ..spec import META_KEY, Spec, local_shape, shard_factor
-from ..symbolic import divides, exact_div, is_concrete
+from ..symbolic import is_concrete
 from .propagate import STRATEGY_KEY
 
 aten = torch.ops.aten
@@ -77,19 +77,23 @@ def _shifted_index(e: Emitter, node: fx.Node, table: fx.Node, idx: fx.Node, dim:
     return e.op(aten.masked_fill.Scalar, shifted, miss, 0), miss
 
 
-def _zero_misses_after(g: fx.Graph, node: fx.Node, miss: fx.Node, unsqueeze: bool) -> None:
-    """Replace ``node``'s uses by ``node`` with the positions in ``miss`` zeroed."""
+def _follow_with(g: fx.Graph, node: fx.Node, target: Any, *args: Any) -> fx.Node:
+    """Insert ``target(node, *args)`` right after ``node`` and make every other user read it instead."""
     with g.inserting_after(node):
-        mask = g.call_function(aten.unsqueeze.default, (miss, -1)) if unsqueeze else miss
-    with g.inserting_after(mask if unsqueeze else node):
-        out = g.call_function(aten.masked_fill.Scalar, (node, mask, 0.0))
-    for n in (mask, out):
-        n.meta[INSERTED_KEY] = True
+        out = g.call_function(target, (node, *args))
+    out.meta[INSERTED_KEY] = True
     out.meta["val"] = node.meta.get("val")
     out.meta[META_KEY] = node.meta.get(META_KEY)
     for user in list(node.users):
-        if user is not out and user is not mask:
+        if user is not out:
             user.replace_input_with(node, out)
+    return out
+
+
+def _zero_misses_after(g: fx.Graph, node: fx.Node, miss: fx.Node, unsqueeze: bool) -> None:
+    """Replace ``node``'s uses by ``node`` with the positions in ``miss`` zeroed."""
+    mask = Emitter(g, node, {}).op(aten.unsqueeze.default, miss, -1) if unsqueeze else miss
+    _follow_with(g, node, aten.masked_fill.Scalar, mask, 0.0)
 
 
 def _set_arg(node: fx.Node, i: int, value: Any) -> None:
@@ -134,14 +138,7 @@ def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
         for a, st in enumerate(strategies):
             if st.lowering == "mean_as_sum":
                 f *= ctx.mesh.sizes[a]
-        with g.inserting_after(node):
-            out = g.call_function(aten.div.Scalar, (node, f))
-        out.meta[INSERTED_KEY] = True
-        out.meta["val"] = node.meta.get("val")
-        out.meta[META_KEY] = node.meta.get(META_KEY)
-        for user in list(node.users):
-            if user is not out:
-                user.replace_input_with(node, out)
+        _follow_with(g, node, aten.div.Scalar, f)
 
 
 def _global_draw(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
@@ -217,12 +214,7 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             if isinstance(spec, Spec):
                 f = shard_factor(spec.placements, sizes, norm_dim(node.args[1], spec.ndim))
                 if f > 1:
-                    with g.inserting_after(node):
-                        glob = g.call_function(operator.mul, (node, f))
-                    glob.meta[INSERTED_KEY] = True
-                    for user in list(node.users):
-                        if user is not glob:
-                            user.replace_input_with(node, glob)
+                    _follow_with(g, node, operator.mul, f)
             continue
         spec = node.meta.get(META_KEY)
         if node.target in SHAPE_ARG_OPS and isinstance(spec, Spec):
