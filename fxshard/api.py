@@ -100,9 +100,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
             placements[name] = ctx.seeds[node.name]
             shapes[name] = sym_shape(node.meta["val"])
 
+    leaves = pytree.tree_leaves((tuple(example_inputs), kwargs))
     wants_grad = [
         (slot.kind == "param" and slot.requires_grad)
-        or (slot.kind == "input" and _leaf(example_inputs, kwargs, traced, slot.index).requires_grad)
+        or (slot.kind == "input" and leaves[traced.tensor_leaf_positions[slot.index]].requires_grad)
         for slot in traced.slots
     ]
     training = None
@@ -122,11 +123,6 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
     return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), training, mesh, info, placements,
                          shapes, tensors)
-
-
-def _leaf(args: tuple, kwargs: dict, traced: Traced, index: int) -> torch.Tensor:
-    flat = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    return flat[traced.tensor_leaf_positions[index]]
 
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator, Mapping, Sequence, Union
+from typing import Mapping, Sequence, Union
 
 import torch
 

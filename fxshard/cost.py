@@ -11,7 +11,7 @@ parallelism) on its own; annotations ask for it.
 
 from __future__ import annotations
 
-from .placements import Part, Pl, R, S
+from .placements import Pl, R, S
 
 __all__ = ["transition_cost", "EPS", "ALPHA"]
 

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from .collectives import COMM_KEY, INSERTED_KEY
-from .module import Program, ShardedModule
+from .module import Program
 from .passes.propagate import FALLBACK_KEY, STRATEGY_KEY
 from .spec import META_KEY, Spec
 
@@ -62,7 +62,7 @@ def explain(sm: Any) -> str:
     ShardedModule the first lines also give the per-rank memory report (``fxshard.memory``)."""
     lines: list[str] = []
     info = sm._info
-    lines.append(f"mesh: " + ", ".join(f"{n}={s}" for n, s in zip(info.names, info.sizes)) + f"  (rank {info.rank})")
+    lines.append("mesh: " + ", ".join(f"{n}={s}" for n, s in zip(info.names, info.sizes)) + f"  (rank {info.rank})")
     if hasattr(sm, "_training"):  # a ShardedModule: one line of fxshard.memory
         from .memory import memory
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -14,9 +14,8 @@ from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .passes.trace import Slot, Traced
+from .passes.trace import Traced
 from .placements import Pl, to_torch
-from .symbolic import is_concrete
 
 __all__ = ["ShardedModule", "Program"]
 
@@ -107,7 +106,6 @@ class ShardedModule(nn.Module):
         self._placements = placements
         self._global_shapes = global_shapes
         self._slots = traced.slots
-        self._names: list[list[str]] = [s.names for s in traced.slots]
         for slot in traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence, Union
+from typing import Any, Iterable, Union
 
 import sympy
 import torch

@@ -10,7 +10,7 @@ the tensor, dim, size and axis.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch.utils import _pytree as pytree
@@ -18,10 +18,10 @@ from torch.utils import _pytree as pytree
 from ..context import ShardContext
 from ..errors import ShardingError
 from ..mesh import MeshInfo
-from ..placements import Pl, R, S
+from ..placements import Pl, R
 from ..constrain import CONSTRAIN_OP, constraint_spec
 from ..plan import check_divisible, constraint_placements, is_spec_leaf, to_placements
-from ..symbolic import divides, sym_shape
+from ..symbolic import sym_shape
 from .trace import Traced, source_line
 
 __all__ = ["annotate", "spec_leaves", "check_divisible"]
@@ -58,7 +58,6 @@ def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]
                                in_specs[1]), (tuple(args), dict(kwargs)), "in_specs")
     else:
         flat_in = spec_leaves(in_specs, tuple(args), "in_specs") if in_specs is not None else None
-    leaves = pytree.tree_leaves((tuple(args), dict(kwargs or {})))
     for node, slot in zip(placeholders, traced.slots):
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):

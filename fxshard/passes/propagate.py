@@ -23,7 +23,6 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
-from torch.utils import _pytree as pytree
 
 from ..context import ShardContext
 from ..cost import transition_cost
@@ -115,7 +114,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                 node.meta[META_KEY] = spec
             continue
         if node.op == "output":
-            _require_outputs(node, ctx, avail)
+            _require_outputs(node, ctx)
             continue
         if node.op != "call_function":
             continue
@@ -231,7 +230,6 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
 
 
 def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int) -> bool:
-    a = len(chosen)
     for i, s in enumerate(in_specs):
         pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
         if not _divisible(s.shape, pls, sizes):
@@ -262,7 +260,7 @@ def _out_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
     return tuple(specs)
 
 
-def _require_outputs(node: fx.Node, ctx: ShardContext, avail) -> None:
+def _require_outputs(node: fx.Node, ctx: ShardContext) -> None:
     req = []
     for j, leaf in enumerate(output_leaves(node)):
         if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from ..placements import Part, Pl, R, S
+from ..placements import Part, R, S
 from ..registry import OpCall, Strategy, norm_dims, register
 from ..symbolic import divides
 
