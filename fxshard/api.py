@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from .consistency import check_same_on_all_ranks, fingerprint
 from .context import ShardContext
-from .errors import ShardingError
+from .inputs import InputCheck
 from .mesh import MeshInfo
 from .checkpoint import rank_slices
 from .module import Program, ShardedModule, Training
@@ -99,6 +99,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
         for name in slot.names if slot.kind in ("param", "buffer") else ():
             placements[name] = ctx.seeds[node.name]
             shapes[name] = sym_shape(node.meta["val"])
+    ins = [(slot.index, node) for node, slot in zip(placeholders, traced.slots) if slot.kind == "input"]
+    k = len(info.sizes)
+    check = InputCheck.from_placeholders([i for i, _ in ins], [n.meta.get("val") for _, n in ins],
+                                         [ctx.seeds.get(n.name, (R,) * k) for _, n in ins], info)
 
     leaves = pytree.tree_leaves((tuple(example_inputs), kwargs))
     wants_grad = [
@@ -108,21 +112,13 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     ]
     training = None
     if any(wants_grad):
-        if dynamic_shapes is None:
-            training = _shard_training(traced, ctx, wants_grad, say)
-        else:
-            for slot, w in zip(traced.slots, wants_grad):
-                if w and slot.kind == "input":
-                    raise ShardingError(
-                        "an example input requires grad, but training with dynamic_shapes is not supported yet; "
-                        "shard without dynamic_shapes to train, or pass inputs that do not require grad"
-                    )
+        training = _shard_training(traced, ctx, wants_grad, say)
     say("sharding the inference program")
     gm = run_passes(traced.gm, ctx)
     say("allocating local shards")
     tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
     return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), training, mesh, info, placements,
-                         shapes, tensors)
+                         shapes, tensors, check)
 
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
@@ -154,6 +150,7 @@ def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: Dev
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     out: dict[str, torch.Tensor] = {}
+    coords = MeshInfo.of(mesh).coords
     for slot in traced.slots:
         if slot.kind not in ("param", "buffer"):
             continue
@@ -162,10 +159,10 @@ def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: Dev
         pls = placements[name]
         if full.device.type == "meta" and dist.is_initialized() and dist.get_backend() == "fake":
             # planning on the fake process group: shards stay on meta (nothing can run anyway)
-            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape))]
+            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape), coords)]
             local = torch.empty(shape, dtype=full.dtype, device="meta")
         elif full.device.type == "meta":
-            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape))]
+            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape), coords)]
             local = torch.empty(shape, dtype=full.dtype, device=device)
         else:
             # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)

@@ -16,7 +16,8 @@ import torch
 
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .placements import Pl, S
+from .placements import Pl
+from .spec import chunk, chunk_index, shard_factor
 
 __all__ = ["rank_slices", "SliceReader", "open_checkpoint"]
 
@@ -24,16 +25,13 @@ Source = Union[Mapping[str, torch.Tensor], str, os.PathLike]
 
 
 def rank_slices(shape: Sequence[int], pls: Sequence[Pl], info: MeshInfo) -> tuple[slice, ...]:
-    """The index of this rank's shard of a tensor of global ``shape`` laid out per ``pls``."""
+    """The index of this rank's shard of a tensor of global ``shape`` laid out per ``pls``
+    (``torch.chunk`` pieces, so an uneven split gives the last rank the shorter piece)."""
     out = []
     for d, size in enumerate(shape):
-        idx, f = 0, 1
-        for a, p in enumerate(pls):
-            if isinstance(p, S) and p.dim == d:
-                idx = idx * info.sizes[a] + info.coords[a]
-                f *= info.sizes[a]
-        chunk = int(size) // f
-        out.append(slice(idx * chunk, (idx + 1) * chunk))
+        f = shard_factor(pls, info.sizes, d)
+        start, length = chunk(int(size), f, chunk_index(pls, info.sizes, info.coords, d))
+        out.append(slice(start, start + length))
     return tuple(out)
 
 

@@ -17,8 +17,8 @@ import torch.fx as fx
 
 from .mesh import MeshInfo
 from .placements import Part, Pl, R, S
-from .spec import Spec, local_shape
-from .symbolic import Dim, is_concrete, prod
+from .spec import Spec, chunk, is_uneven, local_shape
+from .symbolic import Dim, ceil_div, is_concrete, prod
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -88,13 +88,28 @@ def _inverse(perm: list[int]) -> list[int]:
     return inv
 
 
+def _pad_front(e: Emitter, x: fx.Node, ndim: int, by: int) -> fx.Node:
+    """``x`` with ``by`` zero rows appended to dim 0 (collectives need equal pieces on every rank)."""
+    return e.op(aten.constant_pad_nd.default, x, [0, 0] * (ndim - 1) + [0, by], 0.0) if by else x
+
+
 def all_gather(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo, itemsize: int,
-               contiguous: bool) -> fx.Node:
+               contiguous: bool, gsize: Dim) -> fx.Node:
+    """Gather split ``p`` on axis ``a``; ``gsize`` is the dim's size after the gather.
+
+    An uneven split (``torch.chunk`` pieces) is padded to the largest piece, gathered, and cut to ``gsize``.
+    """
     n = mesh.sizes[a]
     ndim = len(lshape)
-    nbytes = hint(prod(lshape)) * itemsize * n
+    uneven = is_uneven(gsize, n)
+    piece = ceil_div(int(gsize), n) if uneven else lshape[p.dim]
+    nbytes = hint(prod([piece if i == p.dim else s for i, s in enumerate(lshape)])) * itemsize * n
     xf, perm = _to_front(e, x, p.dim, ndim, contiguous)
+    if uneven:
+        xf = _pad_front(e, xf, ndim, piece - int(lshape[p.dim]))
     g = e.comm(c10d.all_gather_into_tensor.default, "all_gather", mesh.names[a], xf, nbytes, n, mesh.group_names[a])
+    if uneven:
+        g = e.op(aten.slice.Tensor, g, 0, 0, int(gsize))
     rest = [e.size(xf, i, lshape[perm[i]]) for i in range(1, ndim)]
     ld = e.size(xf, 0, lshape[p.dim])
     if p.outer > 1:
@@ -125,8 +140,15 @@ def reduce_scatter(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, 
     n = mesh.sizes[a]
     nbytes = hint(prod(lshape)) * itemsize
     xf, perm = _rs_front(e, x, lshape, p, n, contiguous)
+    size = lshape[p.dim]
+    uneven = is_uneven(size, n)
+    if uneven:  # pad to n equal pieces; this rank keeps its torch.chunk piece of the reduced result
+        piece = ceil_div(int(size), n)
+        xf = _pad_front(e, xf, len(lshape), piece * n - int(size))
     r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, nbytes, "sum", n,
                mesh.group_names[a])
+    if uneven:
+        r = e.op(aten.slice.Tensor, r, 0, 0, chunk(int(size), n, mesh.coords[a])[1])
     return e.contiguous(e.op(aten.permute.default, r, _inverse(perm))) if p.dim != 0 else r
 
 
@@ -140,11 +162,14 @@ def all_reduce(e: Emitter, x: fx.Node, lshape: Sequence[Dim], op: str, a: int, m
 def local_slice(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo) -> fx.Node:
     n = mesh.sizes[a]
     c = mesh.coords[a]
+    if is_uneven(lshape[p.dim], n):
+        start, length = chunk(int(lshape[p.dim]), n, c)
+        return e.op(aten.slice.Tensor, x, p.dim, start, start + length)
     ld = e.size(x, p.dim, lshape[p.dim])
     if p.outer == 1:
-        chunk = e.arith(operator.floordiv, ld, n)
-        return e.op(aten.slice.Tensor, x, p.dim, e.arith(operator.mul, chunk, c),
-                    e.arith(operator.mul, chunk, c + 1))
+        piece = e.arith(operator.floordiv, ld, n)
+        return e.op(aten.slice.Tensor, x, p.dim, e.arith(operator.mul, piece, c),
+                    e.arith(operator.mul, piece, c + 1))
     dims = [e.size(x, i, s) for i, s in enumerate(lshape)]
     m = e.arith(operator.floordiv, ld, p.outer * n)
     v = e.op(aten.view.default, e.contiguous(x), dims[: p.dim] + [p.outer, e.arith(operator.mul, m, n)] + dims[p.dim + 1:])
@@ -176,11 +201,13 @@ def all_to_all(e: Emitter, x: fx.Node, lshape: Sequence[Dim], src: S, dst: S, a:
     return e.op(aten.view.default, merged, out)
 
 
-def _can_all_to_all(s: Pl, d: Pl, a: int, cur: Sequence[Pl], lshape: Sequence[Dim]) -> bool:
+def _can_all_to_all(s: Pl, d: Pl, a: int, cur: Sequence[Pl], lshape: Sequence[Dim], gshape: Sequence[Dim],
+                    n: int) -> bool:
     if not (isinstance(s, S) and isinstance(d, S) and s.outer == 1 and d.outer == 1 and s.dim != d.dim):
         return False
     others = [p for i, p in enumerate(cur) if i != a and isinstance(p, S) and p.dim in (s.dim, d.dim)]
-    return not others and all(is_concrete(x) for x in lshape)
+    return (not others and all(is_concrete(x) for x in lshape)
+            and not is_uneven(gshape[s.dim], n) and not is_uneven(gshape[d.dim], n))
 
 
 def to_partial(e: Emitter, x: fx.Node, p: Part, a: int, mesh: MeshInfo) -> fx.Node:
@@ -206,7 +233,7 @@ def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], me
         if s == d or mesh.sizes[a] == 1:  # on a one-rank axis every layout holds the same data
             cur[a] = d
             continue
-        lshape = local_shape(spec.shape, cur, mesh.sizes)
+        lshape = local_shape(spec.shape, cur, mesh.sizes, mesh.coords)
         if isinstance(s, Part):
             if isinstance(d, S) and s.op == "sum":
                 x = reduce_scatter(e, x, lshape, d, a, mesh, itemsize, contiguous)
@@ -214,13 +241,15 @@ def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], me
                 contiguous = True
                 continue
             x = all_reduce(e, x, lshape, s.op, a, mesh, itemsize, contiguous)
-        elif _can_all_to_all(s, d, a, cur, lshape):
+        elif _can_all_to_all(s, d, a, cur, lshape, spec.shape, mesh.sizes[a]):
             x = all_to_all(e, x, lshape, s, d, a, mesh, itemsize, contiguous)
             cur[a] = d
             contiguous = True
             continue
         elif isinstance(s, S):
-            x = all_gather(e, x, lshape, s, a, mesh, itemsize, contiguous)
+            after = [R if i == a else q for i, q in enumerate(cur)]
+            gsize = local_shape(spec.shape, after, mesh.sizes, mesh.coords)[s.dim]
+            x = all_gather(e, x, lshape, s, a, mesh, itemsize, contiguous, gsize)
         contiguous = True
         cur[a] = R
     for a in range(len(cur)):
@@ -228,7 +257,7 @@ def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], me
         if s == d or mesh.sizes[a] == 1:  # on a one-rank axis every layout holds the same data
             cur[a] = d
             continue
-        lshape = local_shape(spec.shape, cur, mesh.sizes)
+        lshape = local_shape(spec.shape, cur, mesh.sizes, mesh.coords)
         if isinstance(d, S):
             x = local_slice(e, x, lshape, d, a, mesh)
         elif isinstance(d, Part):

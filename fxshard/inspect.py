@@ -84,7 +84,7 @@ def explain(sm: Any) -> str:
             note += sorted(lows)
             op = "input" if n.op == "placeholder" else _op_name(n)
             rows.append([n.name, op, _fmt_shape(s0.shape), ", ".join(repr(s) for s in specs if s is not None),
-                         _fmt_shape(s0.local_shape(info.sizes)), "; ".join(note)])
+                         _fmt_shape(s0.local_shape(info.sizes, info.coords)), "; ".join(note)])
         lines.append("")
         lines.append(f"== {prog.label} program: {len(rows)} values ==")
         lines += _table(rows, ["node", "op", "global shape", "spec", "local shape", "note"])

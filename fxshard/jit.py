@@ -57,6 +57,9 @@ __all__ = ["jit", "ShardedFunction"]
 
 aten = torch.ops.aten
 
+_JIT_EVEN = ("fxshard.jit infers global shapes from local ones, so its inputs and outputs must split evenly "
+             "(uneven splits work with fxshard.shard)")
+
 
 def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
     """``scatter.value`` (nll_loss's backward) as ``scatter_add`` + ``where``, which have sharding rules."""
@@ -201,7 +204,7 @@ class ShardedFunction:
             pls = to_placements(spec, info, x.dim(), f"in_specs for {name}")
             shape = tuple(int(s) for s in x.shape)
             if global_shapes:
-                check_divisible(f"{name} (shape {shape})", shape, pls, info)
+                check_divisible(f"{name} (shape {shape})", shape, pls, info, uneven=False, even_why=_JIT_EVEN)
                 gshape = shape
                 lshape = tuple(s // shard_factor(pls, info.sizes, d) for d, s in enumerate(shape))
             else:
@@ -311,7 +314,8 @@ class ShardedFunction:
             what = f"out_specs for output{path}"
             if isinstance(val, torch.Tensor):
                 pls = to_placements(spec, self._info, val.dim(), what)
-                check_divisible(f"output{path} (shape {tuple(val.shape)})", tuple(val.shape), pls, self._info)
+                check_divisible(f"output{path} (shape {tuple(val.shape)})", tuple(val.shape), pls, self._info,
+                                uneven=False, even_why=_JIT_EVEN)
                 req.append(pls)
             else:  # a Python scalar (or None): the same on every rank
                 req.append(None)

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from .collectives import hint
 from .errors import ShardingError
 from .spec import META_KEY, Spec
+from .symbolic import sym_dim, sym_shape
 
 aten = torch.ops.aten
 
@@ -40,17 +41,20 @@ VIEW_OPS = {
 }
 
 
-def _local_vals(gm: fx.GraphModule, sizes, device: str) -> dict[fx.Node, Any]:
-    """Run ``gm`` on fake local tensors on ``device``; the value every node produces."""
+def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None) -> dict[fx.Node, Any]:
+    """Run ``gm`` on fake local tensors on ``device``; the value every node produces. ``coords`` (this rank's
+    mesh coordinates) sizes unevenly split inputs as the rank-specific program expects."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     vals: dict[fx.Node, Any] = {}
     def make(spec: Any, v: Any) -> Any:
         if isinstance(spec, Spec):
-            return torch.empty([hint(s) for s in spec.local_shape(sizes)], dtype=spec.dtype, device=device)
+            return torch.empty([hint(s) for s in spec.local_shape(sizes, coords)], dtype=spec.dtype, device=device)
         if isinstance(v, torch.Tensor):
-            return torch.empty([hint(s) for s in v.shape], dtype=v.dtype, device=device)
+            return torch.empty([hint(s) for s in sym_shape(v)], dtype=v.dtype, device=device)
         if isinstance(spec, tuple) and isinstance(v, (tuple, list)):  # a saved multi-output value
             return tuple(make(s, x) for s, x in zip(spec, v))
+        if isinstance(v, torch.SymInt):  # a saved size of a dynamic dim: the same stand-in as tensor dims
+            return hint(sym_dim(v))
         return v
 
     class Rec(fx.Interpreter):
@@ -74,9 +78,9 @@ def _nbytes(v: Any) -> int:
 
 
 def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bool = False,
-                 outputs_live: bool = True) -> int:
+                 outputs_live: bool = True, coords=None) -> int:
     """Peak bytes of values the program allocates (plus its inputs when ``inputs_live``)."""
-    vals = _local_vals(gm, sizes, device)
+    vals = _local_vals(gm, sizes, device, coords)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     base: dict[fx.Node, fx.Node] = {}
@@ -119,7 +123,7 @@ def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
     the backward) and ``backward`` programs. Works on the fake process group for any world size."""
     if optimizer not in OPTIMIZER_STATES:
         raise ShardingError(f"memory(): unknown optimizer {optimizer!r}; use one of {sorted(k for k in OPTIMIZER_STATES if k)}")
-    sizes = sm._info.sizes
+    sizes, coords = sm._info.sizes, sm._info.coords
     dev = sm._info.device_type
     params = {id(p): p for p in sm.parameters()}.values()
     pbytes = sum(p.numel() * p.element_size() for p in params)
@@ -129,9 +133,9 @@ def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
         "buffers": sum(b.numel() * b.element_size() for b in sm.buffers()),
         "grads": gbytes if sm._training is not None else 0,
         "optimizer": OPTIMIZER_STATES[optimizer] * gbytes,
-        "inference_peak": program_peak(sm._fwd.gm, sizes, dev),
+        "inference_peak": program_peak(sm._fwd.gm, sizes, dev, coords=coords),
     }
     if sm._training is not None:
-        report["forward_peak"] = program_peak(sm._training.fwd.gm, sizes, dev)
-        report["backward_peak"] = program_peak(sm._training.bwd.gm, sizes, dev, inputs_live=True)
+        report["forward_peak"] = program_peak(sm._training.fwd.gm, sizes, dev, coords=coords)
+        report["backward_peak"] = program_peak(sm._training.bwd.gm, sizes, dev, inputs_live=True, coords=coords)
     return report

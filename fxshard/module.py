@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
+from .inputs import InputCheck
 from .mesh import MeshInfo
 from .passes.trace import Traced
 from .placements import Pl, to_torch
@@ -96,8 +97,10 @@ class ShardedModule(nn.Module):
     """
 
     def __init__(self, traced: Traced, forward: Program, training: Optional[Training], mesh: DeviceMesh, info: MeshInfo,
-                 placements: dict[str, tuple[Pl, ...]], global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor]):
+                 placements: dict[str, tuple[Pl, ...]], global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
+                 input_check: Optional[InputCheck] = None):
         super().__init__()
+        self._input_check = input_check
         self._traced = traced
         self._fwd = forward
         self._training = training
@@ -133,6 +136,8 @@ class ShardedModule(nn.Module):
                 f"call it with the same argument structure as example_inputs"
             )
         leaves = [flat[i] for i in self._traced.tensor_leaf_positions]
+        if self._input_check is not None:
+            self._input_check.check([leaves[s.index] for s in self._slots if s.kind == "input"])
         feed: list[Any] = []
         for slot in self._slots:
             if slot.kind in ("param", "buffer"):
@@ -164,14 +169,6 @@ class ShardedModule(nn.Module):
                     )
             outs = _RunSharded.apply(tr, *feed)
         else:
-            if tr is None and torch.is_grad_enabled() and any(
-                isinstance(x, torch.Tensor) and x.requires_grad for x in feed
-            ):
-                raise ShardingError(
-                    "this module was sharded for inference only (dynamic_shapes were given, and training with "
-                    "dynamic shapes is not supported yet); run it under torch.no_grad(), or shard without "
-                    "dynamic_shapes to train"
-                )
             outs = self._fwd.gm(*feed)
         n_mut = len(self._traced.mutations)
         if n_mut:

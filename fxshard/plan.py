@@ -17,7 +17,8 @@ from torch.distributed.tensor import Placement
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from .errors import ShardingError
-from .symbolic import divides
+from .spec import split_ok
+from .symbolic import is_concrete
 from .mesh import MeshInfo
 from .placements import P, Part, Pl, R, Replicated, S, from_torch
 from .styles import STYLE_TYPES, AxisSpec, Boundary, boundary_of
@@ -200,19 +201,35 @@ def resolve_boundaries(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh
     return out
 
 
-def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInfo) -> None:
+def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInfo, uneven: bool = True,
+                    even_why: str = "") -> None:
+    """Raise a ShardingError naming ``name`` when ``pls`` cannot split ``shape`` on ``mesh``.
+
+    With ``uneven``, a dim split over one mesh axis may be cut unevenly (``torch.chunk`` pieces; see
+    ``spec.can_split``); a dim split over several axes, a strided split, or a symbolic size must
+    divide evenly. Without it every split must divide, and ``even_why`` says why in the message.
+    """
     for d, size in enumerate(shape):
+        axes = [a for a, p in enumerate(pls) if isinstance(p, S) and p.dim == d and mesh.sizes[a] > 1]
         f = 1
-        axes = []
-        for a, p in enumerate(pls):
-            if isinstance(p, S) and p.dim == d:
-                f *= mesh.sizes[a]
-                axes.append(f"'{mesh.names[a]}' ({mesh.sizes[a]})")
-        if f > 1 and not divides(size, f):
-            raise ShardingError(
-                f"{name} dim {d} (size {size}) is not divisible by mesh axis {' x '.join(axes)}; "
-                f"use a mesh whose split divides {size} or leave dim {d} unsplit"
-            )
+        for a in axes:
+            f *= mesh.sizes[a]
+        if f == 1 or split_ok((size,), [S(0, pls[a].outer) for a in axes],
+                              [mesh.sizes[a] for a in axes], uneven=uneven):
+            continue
+        names = " x ".join(f"'{mesh.names[a]}' ({mesh.sizes[a]})" for a in axes)
+        if not uneven:
+            why = even_why or "this split must divide evenly"
+        elif len(axes) > 1:
+            why = "a dim split over several mesh axes must divide evenly"
+        elif not is_concrete(size):
+            why = "a symbolic size must provably divide (declare the dynamic dim as a multiple, e.g. 2*Dim('b'))"
+        else:
+            why = f"an uneven split needs at least one element on each of the {f} ranks"
+        raise ShardingError(
+            f"{name} dim {d} (size {size}) cannot be split over mesh axis {names}: {why}; "
+            f"use a mesh whose split divides {size} or leave dim {d} unsplit"
+        )
 
 
 def _examples(names: Mapping[str, Any]) -> str:

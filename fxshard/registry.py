@@ -22,7 +22,7 @@ from .errors import ShardingError
 from .placements import Pl, R
 from .symbolic import Dim, sym_shape
 
-__all__ = ["Strategy", "OpCall", "Rule", "register", "lookup", "tensor_inputs", "registered_ops"]
+__all__ = ["Strategy", "OpCall", "Rule", "register", "lookup", "allows_uneven", "tensor_inputs", "registered_ops"]
 
 OutPl = Union[Pl, tuple[Optional[Pl], ...], None]
 
@@ -69,12 +69,15 @@ class OpCall:
 Rule = Callable[[OpCall, int], list[Strategy]]
 
 _RULES: dict[Any, Rule] = {}
+_UNEVEN: set = set()
 
 
-def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None):
+def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None, *, uneven: bool = False):
     """Register ``rule`` for each OpOverload in ``ops`` (usable as a decorator).
 
-    Raises ShardingError when an op already has a rule: one op, one rule.
+    ``uneven=True`` declares the rule's split strategies correct when a split dim is cut unevenly
+    (``torch.chunk`` semantics, per-rank local sizes); propagation offers uneven splits only to such
+    ops. Raises ShardingError when an op already has a rule: one op, one rule.
     """
     ops_list = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
 
@@ -89,6 +92,8 @@ def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None):
             raise ShardingError(f"register() got the same op twice in {ops_list}")
         for op in ops_list:
             _RULES[op] = fn
+            if uneven:
+                _UNEVEN.add(op)
         return fn
 
     return deco(rule) if rule is not None else deco
@@ -97,6 +102,11 @@ def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None):
 def lookup(op: Any) -> Optional[Rule]:
     """The rule for an OpOverload, or None (the caller falls back to replication)."""
     return _RULES.get(op)
+
+
+def allows_uneven(op: Any) -> bool:
+    """Whether ``op``'s rule was registered as correct for unevenly split dims."""
+    return op in _UNEVEN
 
 
 def registered_ops() -> list[Any]:

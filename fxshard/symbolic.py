@@ -10,10 +10,11 @@ import torch
 
 Dim = Union[int, sympy.Expr]
 
-__all__ = ["Dim", "sym_shape", "prod", "divides", "exact_div", "equal", "is_concrete"]
+__all__ = ["Dim", "sym_dim", "sym_shape", "prod", "divides", "exact_div", "equal", "is_concrete"]
 
 
-def _dim(s: Any) -> Dim:
+def sym_dim(s: Any) -> Dim:
+    """An int, or the sympy expression of a ``torch.SymInt``."""
     if isinstance(s, torch.SymInt):
         e = s.node.expr
         return int(e) if e.is_Integer else e
@@ -22,7 +23,7 @@ def _dim(s: Any) -> Dim:
 
 def sym_shape(t: Any) -> tuple[Dim, ...]:
     """Shape of a (fake) tensor as ints, with sympy expressions for symbolic dims."""
-    return tuple(_dim(s) for s in t.shape)
+    return tuple(sym_dim(s) for s in t.shape)
 
 
 def is_concrete(d: Dim) -> bool:

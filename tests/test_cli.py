@@ -50,7 +50,8 @@ def test_plan_error_from_sharding_is_one_line_and_debug_shows_traceback():
     r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "tp=3", "--plan", "examples.llama_shapes:PLAN", "--seq", "16")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
-    assert lines[-1].startswith("fxshard: error:") and "not divisible" in lines[-1]
+    # tp=3 splits the projections unevenly, which is fine, but not the heads: the documented error
+    assert lines[-1].startswith("fxshard: error:") and "3 does not divide the" in lines[-1], lines
     r = run("--debug", "plan", "examples.llama_shapes:llama_tiny", "--mesh", "tp=3", "--plan", "examples.llama_shapes:PLAN")
     assert r.returncode != 0 and "Traceback" in r.stderr
 

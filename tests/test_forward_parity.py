@@ -97,18 +97,12 @@ def _dynamic_batch(rank: int, world: int) -> dict:
         for b in (2, 4, 6):
             t = models.make_tokens(b, 8, 64, seed=b)
             errs[b] = (sm(t) - model(t)).abs().max().item()
-    try:
-        sm(models.make_tokens(2, 8, 64)).sum()  # grad mode with trainable params: not supported with dynamic shapes
-        train_error = ""
-    except fxshard.ShardingError as e:
-        train_error = str(e)
-    return {"errs": errs, "train_error": train_error}
+    return {"errs": errs}
 
 
 def test_dynamic_batch_runs_new_sizes_without_resharding():
     for res in run_ranks(_dynamic_batch, 2):
         assert all(e <= TOL for e in res["errs"].values()), res
-        assert "torch.no_grad()" in res["train_error"]
 
 
 class _Transpose(torch.nn.Module):

@@ -251,7 +251,8 @@ def test_spec_errors_say_what_why_and_how(mesh2):
     with pytest.raises(fxshard.ShardingError, match=r"unknown keys \['net3.weight'\]"):
         bad(params, batch)
     # a spec that does not divide the global shape (example_inputs are global)
-    with pytest.raises(fxshard.ShardingError, match=r"batch\[0\].*dim 0 \(size 7\).*not divisible.*'tp' \(2\)"):
+    with pytest.raises(fxshard.ShardingError, match=r"batch\[0\].*dim 0 \(size 7\) cannot be split over mesh axis "
+                       r"'tp' \(2\): fxshard.jit .* must split evenly"):
         fxshard.jit(step, mesh2, in_specs=(None, P("tp")), example_inputs=(params, (torch.randn(7, 16),) * 2))
     # wrong arity at call time
     ok = fxshard.jit(step, mesh2, in_specs=(toy_specs(), None), out_specs=(None, toy_specs()))

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxshard
-from fxshard import ColwiseParallel, P, RowwiseParallel
+from fxshard import ColwiseParallel, RowwiseParallel
 from tests import models
 from tests.conftest import fake_world
 from tests.dist_utils import run_ranks

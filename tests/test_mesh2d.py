@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 
 import fxshard
 from fxshard import P

@@ -209,10 +209,13 @@ def test_mm_einsum_strategies():
     assert (PS, PS) not in {i for i, _, _ in s}
 
 
-def test_mm_respects_divisibility():
+def test_mm_splits_uneven_dims_plainly_but_never_strided():
     s = strategies(node_of(torch.mm, rnd(3, 8), rnd(8, 6)))
-    assert not any(o == S(0) for _, o, _ in s)  # 3 rows do not split over 2 ranks
+    assert st_((S(0), R), S(0)) in s  # 3 rows: torch.chunk pieces of 2 and 1
     assert st_((R, S(1)), S(1)) in s
+    # a strided split must divide: 6 rows seen as [2, 3] cannot split the 3 over 2 ranks
+    s = strategies(node_of(torch.mm, rnd(6, 8), rnd(8, 6)), [S(0, 2), R])
+    assert st_((S(0, 2), R), S(0, 2)) not in s and st_((S(0), R), S(0)) in s
 
 
 def test_bmm_einsum_strategies():

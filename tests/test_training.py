@@ -96,6 +96,23 @@ def test_transformer_with_loss_inside_trains_like_unsharded():
         assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
 
 
+def _dynamic_batch_train(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=1, max_seq=16)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    example = (models.make_tokens(2, 8, 64), models.make_tokens(2, 8, 64, seed=1))
+    sm = fxshard.shard(copy.deepcopy(model), mesh, transformer_plan(1), example_inputs=example,
+                       dynamic_shapes=({0: batch}, {0: batch}))
+    batches = [(models.make_tokens(b, 8, 64, seed=b), models.make_tokens(b, 8, 64, seed=b + 50)) for b in (2, 4, 6)]
+    ref_l, l = _train(model, sm, batches, lambda m, b: m(*b), "sgd", 3)
+    return {"loss_err": max(abs(a - b) for a, b in zip(ref_l, l)), "param_err": _max_param_diff(sm.full_state_dict(), model)}
+
+
+def test_one_shard_trains_at_dynamic_batch_sizes_2_4_6():
+    for res in run_ranks(_dynamic_batch_train, 2):
+        assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
+
+
 def llama_megatron_plan(n_layers: int) -> dict:
     """Seed 003's Megatron plan (no sequence parallel), loss parallel through a colwise head."""
     plan: dict = {"tok_embeddings": RowwiseParallel(), "output": ColwiseParallel()}

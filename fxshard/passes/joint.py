@@ -59,19 +59,21 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     """See module doc; ``wants_grad[i]`` says whether primal ``i`` gets a gradient."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("val") for n in placeholders]
-    if any(isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape) for v in vals):
-        raise ShardingError(
-            "training with dynamic shapes is not supported yet; shard without dynamic_shapes for training "
-            "(inference with dynamic shapes works under torch.no_grad())"
-        )
+    dynamic = any(isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape) for v in vals)
     out_node = next(n for n in fwd_gm.graph.nodes if n.op == "output")
     out_leaves = output_leaves(out_node)
     diff_out = [i for i, o in enumerate(out_leaves) if i >= len(traced.mutations) and isinstance(o, fx.Node)
                 and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].is_floating_point()]
     diff_in = [i for i, w in enumerate(wants_grad) if w]
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    primals = [_example(v, mode) for v in vals]
-    tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
+    if dynamic:  # trace on export's own fake tensors: their dynamic dims stay symbols of its ShapeEnv
+        mode = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor))
+        primals = list(vals)
+        with mode:
+            tangents = [torch.empty_like(out_leaves[i].meta["val"]) for i in diff_out]
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        primals = [_example(v, mode) for v in vals]
+        tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
@@ -91,7 +93,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     table = dict(core_aten_decompositions())
     table.update({k: v for k, v in decomposition_table().items()})
     with torch.enable_grad():
-        gm = make_fx(joint, tracing_mode="fake", decomposition_table=table)(primals, tangents)
+        gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(primals, tangents)
     for ph, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], [n.name for n in placeholders]):
         ph.name = name  # name primals after the forward's placeholders (p_net1_weight, ...)
     for n in list(gm.graph.nodes):

@@ -24,7 +24,7 @@ from ..context import ShardContext
 from ..errors import ShardingError
 from ..placements import Part, R, S
 from ..registry import norm_dim, tensor_inputs
-from ..spec import META_KEY, Spec, local_shape, shard_factor
+from ..spec import META_KEY, Spec, chunk, chunk_index, is_uneven, local_shape, shard_factor
 from ..symbolic import is_concrete
 from .propagate import STRATEGY_KEY
 
@@ -41,12 +41,16 @@ def runtime_device(ctx: ShardContext) -> torch.device:
     return torch.device(ctx.mesh.device_type)
 
 
-def _local_sizes(e: Emitter, sizes: list, spec: Spec, mesh_sizes) -> list:
+def _local_sizes(e: Emitter, sizes: list, spec: Spec, ctx: ShardContext) -> list:
+    """Shape arguments describing ``spec``'s global shape, rewritten to this rank's local shape."""
+    local = spec.local_shape(ctx.mesh.sizes, ctx.mesh.coords)
     out = []
     for d, s in enumerate(sizes):
-        f = shard_factor(spec.placements, mesh_sizes, d)
+        f = shard_factor(spec.placements, ctx.mesh.sizes, d)
         if f == 1 or (isinstance(s, int) and s == -1):
             out.append(s)
+        elif isinstance(s, int) and is_concrete(local[d]):
+            out.append(int(local[d]))
         elif isinstance(s, int):
             out.append(s // f)
         else:
@@ -54,25 +58,27 @@ def _local_sizes(e: Emitter, sizes: list, spec: Spec, mesh_sizes) -> list:
     return out
 
 
-def _chunk_start(spec: Spec, dim: int, ctx: ShardContext) -> tuple[int, Any]:
-    """(combined chunk index of this rank along ``dim``, local size of ``dim``)."""
-    idx = 0
-    for a, p in enumerate(spec.placements):
-        if isinstance(p, S) and p.dim == dim:
-            idx = idx * ctx.mesh.sizes[a] + ctx.mesh.coords[a]
-    return idx, local_shape(spec.shape, spec.placements, ctx.mesh.sizes)[dim]
+def _chunk_start(spec: Spec, dim: int, ctx: ShardContext) -> tuple[Any, Any]:
+    """(global index of this rank's first element along ``dim``, local size of ``dim``)."""
+    m = ctx.mesh
+    ld = spec.local_shape(m.sizes, m.coords)[dim]
+    size, f = spec.shape[dim], shard_factor(spec.placements, m.sizes, dim)
+    idx = chunk_index(spec.placements, m.sizes, m.coords, dim)
+    if is_uneven(size, f):
+        return chunk(int(size), f, idx)[0], ld
+    return idx * ld, ld
 
 
 def _shifted_index(e: Emitter, node: fx.Node, table: fx.Node, idx: fx.Node, dim: int, ctx: ShardContext
                    ) -> tuple[fx.Node, fx.Node]:
     """(index into this rank's range of a table split on ``dim`` with misses set to 0, miss mask)."""
     spec = table.meta[META_KEY]
-    c, ld = _chunk_start(spec, dim, ctx)
+    start, ld = _chunk_start(spec, dim, ctx)
     if not is_concrete(ld):
         raise ShardingError(f"{node.name}: a symbolic split size in a masked lookup is not supported; "
                             f"give the split table dim a static size")
     ld = int(ld)
-    shifted = e.op(aten.sub.Tensor, idx, c * ld)
+    shifted = e.op(aten.sub.Tensor, idx, int(start))
     miss = e.op(aten.logical_or.default, e.op(aten.lt.Scalar, shifted, 0), e.op(aten.ge.Scalar, shifted, ld))
     return e.op(aten.masked_fill.Scalar, shifted, miss, 0), miss
 
@@ -133,12 +139,22 @@ def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
     if "global_rng" in lowerings:  # a random op on a split output: draw globally, keep this rank's chunk
         _global_draw(g, node, ctx)
         return
-    if "mean_as_sum" in lowerings:
-        f = 1
+    if "mean_as_sum" in lowerings:  # local mean * local count / global count = this rank's term of the sum
+        spec = ins[0].meta[META_KEY]
+        m = ctx.mesh
+        f, ratio = 1, 1.0
         for a, st in enumerate(strategies):
-            if st.lowering == "mean_as_sum":
-                f *= ctx.mesh.sizes[a]
-        _follow_with(g, node, aten.div.Scalar, f)
+            p = spec.placements[a]
+            if st.lowering != "mean_as_sum" or not isinstance(p, S):
+                continue
+            if is_uneven(spec.shape[p.dim], m.sizes[a]):
+                ratio *= int(spec.local_shape(m.sizes, m.coords)[p.dim]) / int(spec.shape[p.dim])
+            else:
+                f *= m.sizes[a]
+        if ratio == 1.0:
+            _follow_with(g, node, aten.div.Scalar, f)
+        else:
+            _follow_with(g, node, aten.mul.Scalar, ratio / f)
 
 
 def _global_draw(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
@@ -153,7 +169,7 @@ def _global_draw(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
     dropout = node.target is aten.native_dropout.default
     out_specs = node.meta[META_KEY] if dropout else (node.meta[META_KEY],)
     e = Emitter(g, node, {})
-    lshape = local_shape(spec.shape, spec.placements, ctx.mesh.sizes)
+    lshape = local_shape(spec.shape, spec.placements, ctx.mesh.sizes, ctx.mesh.coords)
     gshape = []
     for d, (s, ls) in enumerate(zip(spec.shape, lshape)):
         f = shard_factor(spec.placements, ctx.mesh.sizes, d)
@@ -199,7 +215,6 @@ def _bcast_mask(e: Emitter, miss: fx.Node, node: fx.Node, values: fx.Node) -> fx
 def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     g = gm.graph
     dev = runtime_device(ctx)
-    sizes = ctx.mesh.sizes
     for node in list(g.nodes):
         if node.op != "call_function" or node.meta.get(INSERTED_KEY):
             continue
@@ -209,34 +224,51 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             continue
         if "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": dev}
-        if node.target is aten.sym_size.int:
+        if node.target in (aten.sym_size.int, aten.sym_numel.default):
             spec = node.args[0].meta.get(META_KEY)
             if isinstance(spec, Spec):
-                f = shard_factor(spec.placements, sizes, norm_dim(node.args[1], spec.ndim))
-                if f > 1:
-                    _follow_with(g, node, operator.mul, f)
+                _globalize_size(g, node, spec, ctx)
             continue
         spec = node.meta.get(META_KEY)
         if node.target in SHAPE_ARG_OPS and isinstance(spec, Spec):
             e = Emitter(g, node, {})
             args = list(node.args)
-            args[1] = _local_sizes(e, list(args[1]), spec, sizes)
+            args[1] = _local_sizes(e, list(args[1]), spec, ctx)
             node.args = tuple(args)
         elif node.target is aten.slice.Tensor:
-            _localize_slice(node, sizes)
+            _localize_slice(node, ctx)
         _lower(g, node, ctx)
     gm.recompile()
     return gm
 
 
-def _localize_slice(node: fx.Node, sizes) -> None:
+def _globalize_size(g: fx.Graph, node: fx.Node, spec: Spec, ctx: ShardContext) -> None:
+    """Make ``sym_size``/``sym_numel`` of a local tensor yield the global value again."""
+    sizes = ctx.mesh.sizes
+    dims = [norm_dim(node.args[1], spec.ndim)] if node.target is aten.sym_size.int else range(spec.ndim)
+    f, local, glob = 1, 1, 1
+    for d in dims:
+        fd = shard_factor(spec.placements, sizes, d)
+        if is_uneven(spec.shape[d], fd):  # static: undo this rank's piece exactly
+            local *= int(spec.local_shape(sizes, ctx.mesh.coords)[d])
+            glob *= int(spec.shape[d])
+        else:
+            f *= fd
+    if local != glob:
+        node = _follow_with(g, node, operator.floordiv, local)
+        f *= glob
+    if f > 1:
+        _follow_with(g, node, operator.mul, f)
+
+
+def _localize_slice(node: fx.Node, ctx: ShardContext) -> None:
     """A full-range slice of a split dim whose end names the global size ends at the local size."""
     src = tensor_inputs(node)[0].meta.get(META_KEY)
     args = list(node.args)
     if not isinstance(src, Spec) or len(args) < 4:
         return
     dim = norm_dim(args[1], src.ndim)
-    f = shard_factor(src.placements, sizes, dim)
+    f = shard_factor(src.placements, ctx.mesh.sizes, dim)
     if f > 1 and isinstance(args[3], int) and is_concrete(src.shape[dim]) and args[3] == int(src.shape[dim]):
-        args[3] = args[3] // f
+        args[3] = int(src.local_shape(ctx.mesh.sizes, ctx.mesh.coords)[dim])
         node.args = tuple(args)

@@ -27,11 +27,11 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from ..context import ShardContext
 from ..cost import transition_cost
 from ..errors import ShardingError
-from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
+from ..placements import Part, Pl, R
+from ..registry import OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
 from ..constrain import CONSTRAIN_OP
-from ..spec import META_KEY, Spec, fmt_placements, shard_factor
-from ..symbolic import divides, sym_shape
+from ..spec import META_KEY, Spec, fmt_placements, shard_factor, split_ok
+from ..symbolic import is_concrete, sym_shape
 from .trace import source_line
 
 __all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
@@ -54,18 +54,14 @@ def _nbytes(val: torch.Tensor) -> float:
     return float(n * val.dtype.itemsize)
 
 
-def _divisible(shape: Sequence, pls: Sequence[Pl], sizes: Sequence[int]) -> bool:
-    """Every split dim divides, and no dim split over several axes has a strided split among them
-    (collectives treat a strided split's outer factor as global, which another axis would change)."""
-    split = [p for p in pls if isinstance(p, S)]
-    for p in split:
-        if p.outer > 1 and sum(1 for q in split if q.dim == p.dim) > 1:
-            return False
+def _dynamic_hint(shape: Sequence, pls: Sequence[Pl], sizes: Sequence[int]) -> str:
+    """How to declare a dynamic dim so a split of it provably divides ('' when no split dim is dynamic)."""
     for d, size in enumerate(shape):
         f = shard_factor(pls, sizes, d)
-        if f > 1 and not divides(size, f):
-            return False
-    return True
+        if f > 1 and not is_concrete(size):
+            return (f"; dim {d} ({size}) is dynamic: declare it as a multiple of {f} in dynamic_shapes, "
+                    f"e.g. {{{d}: {f} * torch.export.Dim('n')}}")
+    return ""
 
 
 def _pad(pls: Sequence[Pl], k: int) -> tuple[Pl, ...]:
@@ -105,11 +101,12 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             if isinstance(val, torch.Tensor):
                 pls = ctx.seeds.get(node.name, (R,) * k)
                 spec = Spec(tuple(pls), sym_shape(val), val.dtype)
-                if not _divisible(spec.shape, spec.placements, sizes):
+                if not split_ok(spec.shape, spec.placements, sizes, uneven=True):
                     raise ShardingError(
                         f"{node.name} of shape {tuple(spec.shape)} cannot be split as {spec} over mesh axes "
-                        f"{dict(zip(mesh.names, sizes))}: a split dim is not divisible; choose a spec whose split "
-                        f"dims divide evenly"
+                        f"{dict(zip(mesh.names, sizes))}: a split dim neither divides nor can be cut unevenly "
+                        f"(that needs a static size, one mesh axis and an element on every rank); choose a spec "
+                        f"whose split dims divide evenly{_dynamic_hint(spec.shape, spec.placements, sizes)}"
                     )
                 node.meta[META_KEY] = spec
             continue
@@ -126,11 +123,11 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         if node.target is CONSTRAIN_OP:
             cur = node.args[0].meta[META_KEY]
             want = tuple(c if w is None else w for w, c in zip(ctx.constraints[node.args[1]], cur.placements))
-            if not _divisible(cur.shape, want, sizes):
+            if not split_ok(cur.shape, want, sizes, uneven=True):
                 raise ShardingError(
                     f"constraint {fmt_placements(want)} at {source_line(node) or node.name} does not divide the "
                     f"value of shape {tuple(cur.shape)} over mesh axes {dict(zip(mesh.names, sizes))}; "
-                    f"constrain to a layout whose split dims divide evenly"
+                    f"constrain to a layout whose split dims divide evenly{_dynamic_hint(cur.shape, want, sizes)}"
                 )
             node.meta[IN_KEY] = [want]
             node.meta[META_KEY] = cur.with_placements(want)
@@ -141,6 +138,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         ins = tensor_inputs(node)
         in_specs = [n.meta[META_KEY] for n in ins]
         rule = lookup(node.target)
+        uneven = allows_uneven(node.target)
         if rule is None:
             _warn_fallback(ctx, node)
             node.meta[FALLBACK_KEY] = True
@@ -151,7 +149,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             cands = rule(call, sizes[a]) if rule is not None else [replicate_all(call)]
             best, best_cost = None, float("inf")
             for st in cands:
-                if not _valid(st, chosen, in_specs, out_shape, sizes, k):
+                if not _valid(st, chosen, in_specs, out_shape, sizes, k, uneven):
                     continue
                 c = sum(cost_of(i, s.placements[a], p, a) for i, s, p in zip(ins, in_specs, st.inputs))
                 if c < best_cost:
@@ -211,7 +209,8 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
                               [s.dtype for s in in_specs])
                 best, best_cost = None, float("inf")
                 for st in rule(call, sizes[a]):
-                    if st.output != want[a] or not _valid(st, chosen, in_specs, spec.shape, sizes, k):
+                    if st.output != want[a] or not _valid(st, chosen, in_specs, spec.shape, sizes, k,
+                                                          allows_uneven(node.target)):
                         continue
                     c = sum(tc(x, s.placements[a], p, a) for x, s, p in zip(ins, in_specs, st.inputs))
                     if c < best_cost:
@@ -229,10 +228,11 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
             return
 
 
-def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int) -> bool:
+def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int,
+           uneven: bool) -> bool:
     for i, s in enumerate(in_specs):
         pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
-        if not _divisible(s.shape, pls, sizes):
+        if not split_ok(s.shape, pls, sizes, uneven):
             return False
     multi = bool(out_shape) and (out_shape[0] is None or isinstance(out_shape[0], tuple))
     shapes = out_shape if multi else (out_shape,)
@@ -241,7 +241,7 @@ def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape
         if o is None or shp is None:
             continue
         prev = [(c.output[j] if isinstance(c.output, tuple) else c.output) for c in chosen]
-        if not _divisible(shp, _pad(prev + [o], k), sizes):
+        if not split_ok(shp, _pad(prev + [o], k), sizes, uneven):
             return False
     return True
 
@@ -266,7 +266,7 @@ def _require_outputs(node: fx.Node, ctx: ShardContext) -> None:
         if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
             want = ctx.out_required[j] if j < len(ctx.out_required) else None
             cur = leaf.meta[META_KEY]
-            if want is not None and not _divisible(cur.shape, want, ctx.mesh.sizes):
+            if want is not None and not split_ok(cur.shape, want, ctx.mesh.sizes, uneven=True):
                 raise ShardingError(
                     f"output {j} of shape {tuple(cur.shape)} cannot be returned as {want}: a split dim is not "
                     f"divisible by its mesh axis; use out_specs that divide evenly (or Replicate())"

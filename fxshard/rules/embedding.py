@@ -6,31 +6,32 @@ import torch
 
 from ..placements import Part, R, S
 from ..registry import OpCall, Strategy, norm_dim, register
-from ..symbolic import divides, equal
+from ..spec import can_split
+from ..symbolic import equal
 
 aten = torch.ops.aten
 
 
-@register(aten.embedding.default)
+@register(aten.embedding.default, uneven=True)
 def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
     """``embedding(weight[V, D], idx)``: split D (colwise), split V (masked lookup, Partial),
     or split the indices (batch)."""
     (v, d), idx = call.in_shapes[0], call.in_shapes[1]
     out_nd = len(call.out_shape)
     res = [Strategy((R, R), R)]
-    if divides(d, n):
+    if can_split(d, n):
         res.append(Strategy((S(1), R), S(out_nd - 1)))
-    if divides(v, n):
+    if can_split(v, n):
         res.append(Strategy((S(0), R), Part(), lowering="masked_embedding"))
     cur = call.in_pls[1]
     for i, size in enumerate(idx):
         o = cur.outer if isinstance(cur, S) and cur.dim == i else 1
-        if divides(size, o * n):
+        if can_split(size, n, o):
             res.append(Strategy((R, S(i, o)), S(i, o)))
     return res
 
 
-@register(aten.gather.default)
+@register(aten.gather.default, uneven=True)
 def gather_rule(call: OpCall, n: int) -> list[Strategy]:
     """``gather(x, dim, index)``: split a non-gather dim of both, or split the gather dim of x
     (masked gather of the local range, Partial)."""
@@ -39,14 +40,14 @@ def gather_rule(call: OpCall, n: int) -> list[Strategy]:
     res = [Strategy((R, R), R)]
     for d in range(len(x)):
         if d == dim:
-            if divides(x[d], n):
+            if can_split(x[d], n):
                 res.append(Strategy((S(d), R), Part(), lowering="masked_gather"))
-        elif divides(index[d], n) and divides(x[d], n) and str(x[d]) == str(index[d]):
+        elif can_split(index[d], n) and can_split(x[d], n) and str(x[d]) == str(index[d]):
             res.append(Strategy((S(d), S(d)), S(d)))
     return res
 
 
-@register(aten.index_put.default)
+@register(aten.index_put.default, uneven=True)
 def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
     """``index_put(self, [idx], values, accumulate)`` (the embedding backward): split a non-indexed
     trailing dim; split the indexed dim 0 with a masked local write (accumulate only); or Partial
@@ -60,7 +61,7 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
     idx_r = (R,) * n_tensor_idx
     res = [Strategy((R,) * k, R)]
     for d in range(n_idx, len(self_shape)):
-        if divides(self_shape[d], n):
+        if can_split(self_shape[d], n):
             j = len(values_shape) - (len(self_shape) - d)  # values broadcast into self's trailing dims
             broadcast = j < 0 or (equal(values_shape[j], 1) and not equal(self_shape[d], 1))
             res.append(Strategy((S(d),) + idx_r + (R if broadcast else S(j),), S(d)))
@@ -69,12 +70,12 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
         # the masked write zeroes the values rows of missed indices: values must have a row per index
         full = n_tensor_idx == 1 and len(values_shape) == len(call.in_shapes[1]) + len(self_shape) - 1 and all(
             equal(a, b) for a, b in zip(values_shape, tuple(call.in_shapes[1]) + tuple(self_shape[1:])))
-        if n_idx == 1 and full and divides(self_shape[0], n):
+        if n_idx == 1 and full and can_split(self_shape[0], n):
             res.append(Strategy((S(0),) + idx_r + (R,), S(0), lowering="masked_index_put"))
     return res
 
 
-@register(aten.scatter_add.default)
+@register(aten.scatter_add.default, uneven=True)
 def scatter_add_rule(call: OpCall, n: int) -> list[Strategy]:
     """``scatter_add(self, dim, index, src)`` (the gather backward): split a non-scatter dim of all
     three, split the scatter dim of self (masked local scatter), or Partial in (self, src)."""
@@ -83,8 +84,8 @@ def scatter_add_rule(call: OpCall, n: int) -> list[Strategy]:
     res = [Strategy((R, R, R), R), Strategy((Part(), R, Part()), Part())]
     for d in range(len(x)):
         if d == dim:
-            if divides(x[d], n):
+            if can_split(x[d], n):
                 res.append(Strategy((S(d), R, R), S(d), lowering="masked_scatter_add"))
-        elif divides(x[d], n) and str(x[d]) == str(index[d]) == str(src[d]):
+        elif can_split(x[d], n) and str(x[d]) == str(index[d]) == str(src[d]):
             res.append(Strategy((S(d), S(d), S(d)), S(d)))
     return res

@@ -13,7 +13,7 @@ import torch
 
 from ..placements import Part, Pl, R, S
 from ..registry import OpCall, Strategy, all_r, register
-from ..symbolic import divides
+from ..spec import can_split
 from .pointwise import broadcast_placement
 
 aten = torch.ops.aten
@@ -41,7 +41,7 @@ def einsum_strategies(eq: str, call: OpCall, n: int, first: int = 0) -> list[Str
             if isinstance(p, S) and p.outer > 1 and letter in t and t.index(letter) == p.dim:
                 outers.add(p.outer)
         for o in sorted(outers):
-            if not divides(sizes[letter], o * n):
+            if not can_split(sizes[letter], n, o):
                 continue
             ins: list[Pl] = [R] * k
             for i, t in enumerate(terms):
@@ -60,10 +60,10 @@ def _einsum_rule(call: OpCall, n: int) -> list[Strategy]:
     return einsum_strategies(EINSUMS[call.node.target], call, n)
 
 
-register(list(EINSUMS), _einsum_rule)
+register(list(EINSUMS), _einsum_rule, uneven=True)
 
 
-@register(aten.addmm.default)
+@register(aten.addmm.default, uneven=True)
 def addmm_rule(call: OpCall, n: int) -> list[Strategy]:
     """``bias + m1 @ m2``: the mm strategies, with the bias following the output placement."""
     res = []

@@ -22,7 +22,8 @@ import torch
 
 from ..placements import Part, Pl, R, S
 from ..registry import OpCall, Strategy, all_r, register
-from ..symbolic import Dim, divides, equal
+from ..spec import can_split
+from ..symbolic import Dim, equal
 
 aten = torch.ops.aten
 
@@ -38,7 +39,7 @@ NONLINEAR = (
     "logical_or logical_not logical_xor bitwise_and.Tensor bitwise_or.Tensor bitwise_not bitwise_xor.Tensor "
     "isnan isinf floor ceil round.default trunc fmod.Scalar fmod.Tensor remainder.Scalar remainder.Tensor "
     "floor_divide.default atan2.default hardtanh leaky_relu elu mish hardsigmoid hardswish softplus "
-    "masked_fill.Scalar masked_fill.Tensor"
+    "masked_fill.Scalar masked_fill.Tensor threshold_backward"
 ).split()
 
 
@@ -81,7 +82,7 @@ def split_strategies(call: OpCall, n: int, out_shape: Sequence[Dim], in_idx: Seq
     res = []
     for d, size in enumerate(out_shape):
         for o in sorted(_outers_for(call, list(maps.values()), d)):
-            if not divides(size, o * n):
+            if not can_split(size, n, o):
                 continue
             ins: list[Pl] = [R] * len(call.in_shapes)
             for i in in_idx:
@@ -145,4 +146,4 @@ def pointwise_rule(kind: str):
 
 
 for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("nonlinear", NONLINEAR)):
-    register(_overloads(_names), pointwise_rule(_kind))
+    register(_overloads(_names), pointwise_rule(_kind), uneven=True)

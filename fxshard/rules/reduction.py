@@ -14,7 +14,7 @@ import torch
 
 from ..placements import Part, R, S
 from ..registry import OpCall, Strategy, norm_dims, register
-from ..symbolic import divides
+from ..spec import can_split
 
 aten = torch.ops.aten
 
@@ -62,7 +62,7 @@ def out_dim(d: int, dims: list[int], keep: bool) -> Optional[int]:
     return d if keep else d - sum(1 for r in dims if r < d)
 
 
-@register(list(REDUCTIONS))
+@register(list(REDUCTIONS), uneven=True)
 def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
     split_partial, keep_partial = REDUCTIONS[call.node.target]
     dims, keep = reduced_dims(call)
@@ -74,7 +74,7 @@ def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
     for d, size in enumerate(shape):
         outers = {1} | ({cur.outer} if isinstance(cur, S) and cur.dim == d else set())
         for o in sorted(outers):
-            if not divides(size, o * n):
+            if not can_split(size, n, o):
                 continue
             if d in dims and call.node.target not in SCAN:
                 if split_partial is not None:

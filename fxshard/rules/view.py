@@ -14,8 +14,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
 from ..registry import OpCall, Strategy, norm_dim, norm_dims, register
+from ..spec import can_split
 from ..symbolic import Dim, divides, equal, exact_div, is_concrete, prod
 from .pointwise import dim_map
 
@@ -73,8 +75,9 @@ def view_shard(in_shape: Sequence[Dim], out_shape: Sequence[Dim], p: S, n: int) 
         if p.dim not in gi:
             continue
         size = in_shape[p.dim]
-        if not divides(size, p.outer * n):
-            return None
+        if not divides(size, p.outer * n):  # uneven: only a dim the view leaves as it is keeps its split
+            same = len(gi) == 1 and len(go) == 1 and equal(size, out_shape[go[0]])
+            return S(go[0]) if same and can_split(size, n, p.outer) else None
         pre = p.outer * prod(in_shape[d] for d in gi[: gi.index(p.dim)])
         sz = exact_div(size, p.outer)
         acc: Dim = 1
@@ -93,10 +96,39 @@ def view_shard(in_shape: Sequence[Dim], out_shape: Sequence[Dim], p: S, n: int) 
     return None
 
 
+def reject_group_cut(call: OpCall, n: int) -> None:
+    """Raise a ShardingError when a view splits an input dim that arrives split over ``n`` ranks into
+    groups whose count (the leading factor, e.g. attention heads) ``n`` does not divide: each rank
+    would hold a fraction of a group, so the only correct plan gathers the whole tensor first, which
+    silently undoes the user's split. The user fixes the plan or the sizes instead."""
+    p = call.in_pls[0]
+    if not isinstance(p, S) or n == 1:
+        return
+    in_shape, out_shape = call.in_shapes[0], call.out_shape
+    for gi, go in view_groups(in_shape, out_shape):
+        factors = [out_shape[j] for j in go if not equal(out_shape[j], 1)]
+        if gi != [p.dim] or len(factors) < 2 or view_shard(in_shape, out_shape, p, n) is not None:
+            continue
+        if divides(factors[0], p.outer * n):
+            return
+        from ..passes.trace import source_line
+
+        where = source_line(call.node) or call.node.name
+        raise ShardingError(
+            f"{where}: this view reshapes dim {p.dim} (size {in_shape[p.dim]}, split over a mesh axis of {n} "
+            f"ranks) into {list(factors)}, and {n} does not divide the {factors[0]} groups (e.g. attention "
+            f"heads), so a rank would hold part of a group. Use a group/head count divisible by {n} or a "
+            f"smaller mesh axis, or keep the tensor whole here (e.g. ColwiseParallel(output_layouts=Replicate()) "
+            f"on the projection that produces it, or no plan entry for it)"
+        )
+
+
 def _mapped_rule(mapper: Callable[[OpCall, S, int], Optional[S]]):
     """A rule for ops that move one input's dims: R->R, P->P, and each split the mapper accepts."""
 
     def rule(call: OpCall, n: int) -> list[Strategy]:
+        if mapper is _view:
+            reject_group_cut(call, n)
         k = len(call.in_shapes)
         rest = (R,) * (k - 1)
         res = [Strategy((R,) + rest, R)]
@@ -106,7 +138,7 @@ def _mapped_rule(mapper: Callable[[OpCall, S, int], Optional[S]]):
         cur = call.in_pls[0]
         for d, size in enumerate(call.in_shapes[0]):
             o = cur.outer if isinstance(cur, S) and cur.dim == d else 1
-            if not divides(size, o * n):
+            if not can_split(size, n, o):
                 continue
             out = mapper(call, S(d, o), n)
             if out is not None:
@@ -216,10 +248,10 @@ VIEW_OPS = {
     _pad: [aten.constant_pad_nd.default],
 }
 for _mapper, _ops in VIEW_OPS.items():
-    register(_ops, _mapped_rule(_mapper))
+    register(_ops, _mapped_rule(_mapper), uneven=True)
 
 
-@register(aten.cat.default)
+@register(aten.cat.default, uneven=True)
 def cat_rule(call: OpCall, n: int) -> list[Strategy]:
     """Concatenation: inputs split alike on a dim other than the cat dim, or all Partial."""
     k = len(call.in_shapes)
@@ -227,7 +259,7 @@ def cat_rule(call: OpCall, n: int) -> list[Strategy]:
     dim = norm_dim(call.node.args[1] if len(call.node.args) > 1 else call.node.kwargs.get("dim", 0), ndim)
     res = [Strategy((R,) * k, R), Strategy((Part(),) * k, Part())]
     for d in range(ndim):
-        if d != dim and divides(call.out_shape[d], n):
+        if d != dim and can_split(call.out_shape[d], n):
             if all(len(s) == ndim for s in call.in_shapes):
                 res.append(Strategy((S(d),) * k, S(d)))
     return res

@@ -1,0 +1,129 @@
+"""Call-time checks of a ShardedModule's local inputs against the shapes it was sharded for.
+
+The sharded programs bake in every static size and the divisibility facts the
+plan relied on, so an input of another size must be stopped before it runs:
+otherwise it fails deep inside with an unreadable shape error, or, worse, runs.
+Static dims must match exactly (this rank's ``torch.chunk`` piece when split).
+A dynamic dim (``dynamic_shapes``) may take any size that satisfies its
+declaration, e.g. ``2*Dim('seq')`` needs an even global size, within its
+``min``/``max``, and equal wherever the same symbol appears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import sympy
+import torch
+
+from .errors import ShardingError
+from .mesh import MeshInfo
+from .placements import Pl
+from .spec import local_shape, shard_factor
+from .symbolic import Dim, is_concrete, sym_shape
+
+__all__ = ["InputCheck"]
+
+
+@dataclass(frozen=True)
+class _DimRule:
+    """Input ``index`` dim ``dim``: global size ``size`` (int or sympy), split ``factor`` ways."""
+
+    index: int
+    dim: int
+    size: Dim
+    factor: int
+    local: Dim  # this rank's expected size (static dims)
+    linear: Optional[tuple[sympy.Symbol, int, int]]  # size == a*sym + b
+
+
+class InputCheck:
+    """Built once at ``shard()`` from the traced input placeholders; ``check(tensors)`` on every call."""
+
+    def __init__(self, indices: Sequence[int], vals: Sequence[Any], placements: Sequence[Sequence[Pl]],
+                 info: MeshInfo, ranges: Optional[dict] = None):
+        self._indices = list(indices)  # user input numbers, for messages
+        self._ndims: list[int] = []
+        self._rules: list[_DimRule] = []
+        self._ranges = dict(ranges or {})
+        for i, (val, pls) in enumerate(zip(vals, placements)):
+            shape = sym_shape(val) if isinstance(val, torch.Tensor) else ()
+            self._ndims.append(len(shape))
+            local = local_shape(shape, pls, info.sizes, info.coords)
+            for d, size in enumerate(shape):
+                self._rules.append(_DimRule(i, d, size, shard_factor(pls, info.sizes, d), local[d], _linear(size)))
+
+    @staticmethod
+    def from_placeholders(indices: Sequence[int], vals: Sequence[Any], placements: Sequence[Sequence[Pl]],
+                          info: MeshInfo) -> "InputCheck":
+        """Like the constructor, reading symbol ranges from the fake tensors' ShapeEnv when there is one."""
+        ranges: dict = {}
+        for v in vals:
+            env = getattr(getattr(v, "fake_mode", None), "shape_env", None)
+            if env is not None:
+                for sym, vr in env.var_to_range.items():
+                    ranges[sym] = (vr.lower, vr.upper)
+                break
+        return InputCheck(indices, vals, placements, info, ranges)
+
+    def check(self, tensors: Sequence[Any]) -> None:
+        """Raise a ShardingError naming the input, dim and declaration that ``tensors`` (one per
+        index given at construction, in that order) violate."""
+        for i, x, nd in zip(self._indices, tensors, self._ndims):
+            if isinstance(x, torch.Tensor) and x.dim() != nd:
+                raise ShardingError(f"input {i} has {x.dim()} dims but the module was sharded for {nd}; pass "
+                                    f"inputs shaped like example_inputs")
+        bound: dict = {}
+        for r in self._rules:
+            n = int(tensors[r.index].shape[r.dim])
+            what = f"input {self._indices[r.index]} dim {r.dim}"
+            if is_concrete(r.size):
+                if n != int(r.local):
+                    split = (f" ({int(r.size)} split {r.factor} ways: this rank holds {int(r.local)})"
+                             if r.factor > 1 else "")
+                    raise ShardingError(
+                        f"{what} has local size {n}, but the module was sharded for global size "
+                        f"{int(r.size)}{split}; pass that size, or declare the dim dynamic with "
+                        f"dynamic_shapes when sharding"
+                    )
+                continue
+            glob = n * r.factor
+            if r.linear is None:
+                continue
+            sym, a, b = r.linear
+            if (glob - b) % a:
+                raise ShardingError(
+                    f"{what} has global size {glob}, but it was declared as {r.size}: "
+                    f"{glob} is not of that form, which the sharding relies on (e.g. to split it evenly); "
+                    f"pass a size of the form {r.size}"
+                )
+            v = (glob - b) // a
+            lo, hi = self._ranges.get(sym, (None, None))
+            if (lo is not None and _finite(lo) and v < int(lo)) or (hi is not None and _finite(hi) and v > int(hi)):
+                raise ShardingError(
+                    f"{what} has global size {glob} ({sym} = {v}), outside the declared "
+                    f"range {sym} in [{lo}, {hi}]; pass a size in range or widen the Dim's min/max"
+                )
+            if bound.setdefault(sym, (v, r))[0] != v:
+                first = bound[sym][1]
+                raise ShardingError(
+                    f"{what} gives {sym} = {v}, but input {self._indices[first.index]} dim {first.dim} gave "
+                    f"{sym} = {bound[sym][0]}; dims declared with the same Dim must agree"
+                )
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int) or bool(getattr(x, "is_Integer", False))
+
+
+def _linear(size: Dim) -> Optional[tuple[sympy.Symbol, int, int]]:
+    """``(sym, a, b)`` with ``size == a*sym + b`` for a one-symbol linear size, else None."""
+    if is_concrete(size) or len(size.free_symbols) != 1:
+        return None
+    (sym,) = size.free_symbols
+    poly = sympy.Poly(size, sym)
+    if poly.degree() != 1 or not all(c.is_Integer for c in poly.all_coeffs()):
+        return None
+    a, b = (int(c) for c in poly.all_coeffs())
+    return sym, a, b

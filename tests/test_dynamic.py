@@ -1,0 +1,97 @@
+"""Dynamic shapes: one shard() serves many sizes; sizes the sharding cannot take fail at call time.
+
+Numbers come from 2 real gloo ranks against the unsharded model; checks of inputs and
+declarations use the fake process group.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.export import Dim
+
+import fxshard
+from fxshard import P, ShardingError
+from tests import models
+from tests.dist_utils import run_ranks
+from tests.test_forward_parity import transformer_plan
+
+TOL = 1e-5
+
+
+class SeqSplit(torch.nn.Module):
+    """A projection whose output is pinned sequence-split (as sequence parallel does) before a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = fxshard.constrain(self.lin(x), P(None, "tp", None))
+        return torch.tanh(h).pow(2).mean()
+
+
+def _seq_split(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model = SeqSplit()
+    sm = fxshard.shard(copy.deepcopy(model), mesh, {}, example_inputs=(torch.randn(2, 6, 8),),
+                       dynamic_shapes=({1: 2 * Dim("half", min=1, max=32)},))
+    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(sm.parameters(), lr=0.5)
+    worst = 0.0
+    for seq in (4, 10, 6):
+        x = torch.randn(2, seq, 8, generator=torch.Generator().manual_seed(seq))
+        for m, o in ((model, opt_ref), (sm, opt)):
+            o.zero_grad()
+            loss = m(x)
+            loss.backward()
+            o.step()
+        worst = max(worst, abs(model(x).item() - sm(x).item()))
+    err = ""
+    try:
+        sm(torch.randn(2, 7, 8))
+    except ShardingError as e:
+        err = str(e)
+    w = sm.full_state_dict()["lin.weight"]
+    return {"loss_err": worst, "w_err": (w - model.lin.weight).abs().max().item(), "odd_error": err}
+
+
+def test_dynamic_sequence_split_trains_at_new_lengths_and_rejects_an_odd_one():
+    for r in run_ranks(_seq_split, 2):
+        assert r["loss_err"] <= TOL and r["w_err"] <= TOL, r
+        assert "input 0 dim 1 has global size 7, but it was declared as 2*" in r["odd_error"], r
+
+
+def test_dynamic_dim_that_must_split_needs_a_multiple_declared(mesh2):
+    with pytest.raises(ShardingError, match=r"dim 1 \(s\d+\) is dynamic: declare it as a multiple of 2 in "
+                                            r"dynamic_shapes, e.g. \{1: 2 \* torch.export.Dim\('n'\)\}"):
+        fxshard.shard(SeqSplit(), mesh2, {}, example_inputs=(torch.randn(2, 6, 8),),
+                      dynamic_shapes=({1: Dim("seq", min=2, max=64)},))
+
+
+@pytest.fixture
+def dyn_batch(mesh2):
+    model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=1, max_seq=16)
+    b = Dim("batch", min=1, max=8)
+    ex = (models.make_tokens(2, 8, 64), models.make_tokens(2, 8, 64, seed=1))
+    return fxshard.shard(model, mesh2, transformer_plan(1), example_inputs=ex, dynamic_shapes=({0: b}, {0: b}))
+
+
+@pytest.mark.parametrize("shapes, message", [
+    (((4, 8), (2, 8)), r"input 1 dim 0 gives s\d+ = 2, but input 0 dim 0 gave s\d+ = 4; dims declared with the "
+                       r"same Dim must agree"),
+    (((4, 9), (4, 9)), r"input 0 dim 1 has local size 9, but the module was sharded for global size 8; pass that "
+                       r"size, or declare the dim dynamic"),
+    (((9, 8), (9, 8)), r"input 0 dim 0 has global size 9 \(s\d+ = 9\), outside the declared range"),
+])
+def test_inputs_violating_the_sharded_shapes_fail_at_call_time(dyn_batch, shapes, message):
+    (b0, t0), (b1, t1) = shapes
+    with pytest.raises(ShardingError, match=message):
+        dyn_batch(models.make_tokens(b0, t0, 64), models.make_tokens(b1, t1, 64))
+
+
+def test_wrong_rank_input_is_a_sharding_error(dyn_batch):
+    with pytest.raises(ShardingError, match=r"input 0 has 1 dims but the module was sharded for 2"):
+        dyn_batch(torch.zeros(8, dtype=torch.long), models.make_tokens(2, 8, 64))
