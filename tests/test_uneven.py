@@ -228,3 +228,24 @@ def _three_heads_fixed(rank: int, world: int) -> dict:
 def test_head_count_error_fix_runs_with_parity():
     for r in run_ranks(_three_heads_fixed, 2):
         assert r["err"] <= TOL, r
+
+
+def _odd_vocab_transformer(rank: int, world: int) -> dict:
+    from tests import models
+    from tests.test_forward_parity import transformer_plan
+
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.TransformerWithLoss(vocab=65, dim=32, n_heads=4, n_layers=1, max_seq=16, tie=True)
+    batches = [(models.make_tokens(2, 8, 65, seed=s), models.make_tokens(2, 8, 65, seed=s + 9)) for s in range(2)]
+    sm = fxshard.shard(copy.deepcopy(model), mesh, transformer_plan(1), example_inputs=batches[0])
+    ref_l, l = _train(model, sm, batches, lambda m, b: m(*b), "sgd", 3)
+    return {"loss_err": max(abs(a - b) for a, b in zip(ref_l, l)), "param_err": _max_param_diff(sm.full_state_dict(), model),
+            "rows": sm.tok_emb.weight.shape[0]}
+
+
+def test_odd_vocab_tied_embedding_and_head_train_with_parity():
+    # vocab 65 row-split: 33 + 32 rows; the tied head reads the same uneven pieces
+    res = run_ranks(_odd_vocab_transformer, 2)
+    assert [r["rows"] for r in res] == [33, 32]
+    for r in res:
+        assert r["loss_err"] <= 1e-4 and r["param_err"] <= TOL, r
