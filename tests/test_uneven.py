@@ -249,3 +249,59 @@ def test_odd_vocab_tied_embedding_and_head_train_with_parity():
     assert [r["rows"] for r in res] == [33, 32]
     for r in res:
         assert r["loss_err"] <= 1e-4 and r["param_err"] <= TOL, r
+
+
+def _dcp_make(world: int, seed: int):
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(seed)
+    sm = fxshard.shard(Classifier(), mesh, {"head": ColwiseParallel(), "emb": RowwiseParallel()},
+                       example_inputs=(torch.randint(0, 37, (2, 3)), torch.randint(0, N_CLASSES, (2, 3))))
+    return sm, torch.optim.AdamW(sm.parameters(), lr=1e-2)
+
+
+def _dcp_save(rank: int, world: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    sm, opt = _dcp_make(world, 0)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        opt.zero_grad()
+        sm(torch.randint(0, 37, (2, 3), generator=g), torch.randint(0, N_CLASSES, (2, 3), generator=g)).backward()
+        opt.step()
+    dcp.save({"model": sm.sharded_state_dict(), "optim": fxshard.optim_state_dict(sm, opt)}, checkpoint_id=path)
+    osd = fxshard.optim_state_dict(sm, opt)["state"]["head.weight"]["exp_avg"]
+    return {"params": sm.full_state_dict(), "exp_avg": osd.full_tensor()}
+
+
+def _dcp_load(rank: int, world: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    sm, opt = _dcp_make(world, 1)  # other initial weights: only the load can make them equal
+    for g in opt.param_groups:  # create AdamW's state without moving the weights
+        g["lr"] = 0.0
+    opt.zero_grad()
+    sm(torch.randint(0, 37, (2, 3)), torch.randint(0, N_CLASSES, (2, 3))).backward()
+    opt.step()
+    state = {"model": sm.sharded_state_dict(), "optim": fxshard.optim_state_dict(sm, opt)}
+    dcp.load(state, checkpoint_id=path)
+    sm.load_sharded_state_dict(state["model"])
+    fxshard.load_optim_state_dict(sm, opt, state["optim"])
+    exp_avg = fxshard.optim_state_dict(sm, opt)["state"]["head.weight"]["exp_avg"].full_tensor()
+    return {"params": sm.full_state_dict(), "exp_avg": exp_avg, "rows": sm.head.weight.shape[0]}
+
+
+def test_uneven_dcp_checkpoint_moves_between_2_and_4_ranks_and_unsharded():
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as path:
+        saved = run_ranks(_dcp_save, 2, path)[0]
+        loaded = run_ranks(_dcp_load, 4, path, timeout=300)
+        assert [r["rows"] for r in loaded] == [251, 251, 251, 248]
+        for r in loaded:
+            assert all((r["params"][k] - v).abs().max().item() == 0.0 for k, v in saved["params"].items())
+            assert (r["exp_avg"] - saved["exp_avg"]).abs().max().item() == 0.0
+        sd = {k: torch.zeros_like(v) for k, v in Classifier().state_dict().items()}
+        dcp.load({"model": sd}, checkpoint_id=path)
+        assert all((sd[k] - v).abs().max().item() == 0.0 for k, v in saved["params"].items())
