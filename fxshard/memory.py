@@ -78,8 +78,9 @@ def _nbytes(v: Any) -> int:
 
 
 def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bool = False,
-                 outputs_live: bool = True, coords=None) -> int:
-    """Peak bytes of values the program allocates (plus its inputs when ``inputs_live``)."""
+                 outputs_live: bool = True, coords=None, not_counted: frozenset = frozenset()) -> int:
+    """Peak bytes of values the program allocates (plus its inputs when ``inputs_live``, except the
+    placeholders at positions ``not_counted``, e.g. parameters that are counted elsewhere)."""
     vals = _local_vals(gm, sizes, device, coords)
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -102,9 +103,11 @@ def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bo
     frees: dict[int, list[fx.Node]] = {}
     live = 0
     peak = 0
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    skip = {placeholders[i] for i in not_counted}
     for n in nodes:
         if n.op == "placeholder":
-            if not inputs_live:
+            if not inputs_live or n in skip:
                 continue
         elif n.op != "call_function" or n in base:
             continue
@@ -114,6 +117,17 @@ def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bo
         for dead in frees.pop(pos[n], []):
             live -= _nbytes(vals.get(dead))
     return peak
+
+
+def _saved_state(sm: Any) -> frozenset:
+    """Positions of the backward's saved inputs that are parameters/buffers themselves (already in
+    ``params``/``buffers``, so not activation memory)."""
+    tr = sm._training
+    fwd_ph = [n for n in tr.fwd.gm.graph.nodes if n.op == "placeholder"]
+    state = {n for n, slot in zip(fwd_ph, sm._slots) if slot.kind in ("param", "buffer")}
+    out = next(n for n in tr.fwd.gm.graph.nodes if n.op == "output")
+    saved = list(out.args[0])[tr.n_out:]
+    return frozenset(i for i, s in enumerate(saved) if s in state)
 
 
 def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
@@ -137,5 +151,6 @@ def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
     }
     if sm._training is not None:
         report["forward_peak"] = program_peak(sm._training.fwd.gm, sizes, dev, coords=coords)
-        report["backward_peak"] = program_peak(sm._training.bwd.gm, sizes, dev, inputs_live=True, coords=coords)
+        report["backward_peak"] = program_peak(sm._training.bwd.gm, sizes, dev, inputs_live=True, coords=coords,
+                                               not_counted=_saved_state(sm))
     return report

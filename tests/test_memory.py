@@ -177,3 +177,17 @@ def _init_on_meta(rank: int, world: int) -> dict:
 def test_meta_model_initialized_shard_by_shard_matches_unsharded_init():
     for res in run_ranks(_init_on_meta, 2):
         assert res["state"] == 0.0 and res["err"] <= 1e-5
+
+
+def test_backward_peak_does_not_count_saved_parameters_twice(mesh2):
+    from fxshard.memory import _saved_state, program_peak
+
+    model = models.ToyModel(16, 4096)
+    sm = fxshard.shard(model, mesh2, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                       example_inputs=(torch.randn(2, 16),))
+    bwd = sm._training.bwd.gm
+    placeholders = [n for n in bwd.graph.nodes if n.op == "placeholder"]
+    # the backward of net2 reads its weight: that input is parameter memory, not activation memory
+    assert {placeholders[i].name for i in _saved_state(sm)} == {"saved_p_net2_weight"}
+    everything = program_peak(bwd, sm._info.sizes, inputs_live=True)
+    assert 0 < fxshard.memory(sm)["backward_peak"] <= everything
