@@ -17,6 +17,7 @@ from fxshard.module import local_slice
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
+from tests.test_training import train_on_local_batches
 
 TOL = 1e-5
 
@@ -30,22 +31,14 @@ def _fsdp2_over_dp(rank: int, world: int) -> dict:
     sm = fxshard.shard(copy.deepcopy(model), mesh["tp"], transformer_plan(2), example_inputs=local(batches[0]))
     fully_shard(sm, mesh=mesh["dp"])
     dp_sharded = all(isinstance(p, DTensor) for p in sm.parameters())
+
+    def dp_mean(loss: float) -> float:  # equal local batches: the global mean is the mean of local means
+        t = torch.tensor(loss)
+        torch.distributed.all_reduce(t, group=mesh["dp"].get_group())
+        return t.item() / 2
+
     # SGD: AdamW would turn the key bias's exactly-zero gradient into sign noise
-    opt_ref, opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(sm.parameters(), lr=0.5)
-    worst = 0.0
-    for step in range(3):
-        b = batches[step % 2]
-        losses = []
-        for m, o, inp in ((model, opt_ref, b), (sm, opt, local(b))):
-            o.zero_grad()
-            loss = m(*inp)
-            loss.backward()
-            o.step()
-            losses.append(loss.item())
-        # the global-batch mean is the mean of the dp ranks' local means (equal local batches)
-        mean = torch.tensor(losses[1])
-        torch.distributed.all_reduce(mean, group=mesh["dp"].get_group())
-        worst = max(worst, abs(losses[0] - mean.item() / 2))
+    worst = train_on_local_batches(model, sm, batches, local, steps=3, global_loss=dp_mean)
     ref = dict(model.named_parameters())
     param_err = 0.0
     for name, p in sm.named_parameters():

@@ -307,22 +307,11 @@ def test_uneven_dcp_checkpoint_moves_between_2_and_4_ranks_and_unsharded():
         assert all((sd[k] - v).abs().max().item() == 0.0 for k, v in saved["params"].items())
 
 
-def _odd_sequence_parallel(rank: int, world: int) -> dict:
-    from tests import models
-    from tests.test_plans import llama_seed003_plan
-
-    mesh = fxshard.init_mesh(tp=world)
-    model = models.LlamaDecoder(vocab=65, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
-    batches = [(models.make_tokens(2, 15, 65, seed=s), models.make_tokens(2, 15, 65, seed=s + 9)) for s in range(2)]
-    sm = fxshard.shard(copy.deepcopy(model), mesh, llama_seed003_plan(), example_inputs=batches[0])
-    ref_l, l = _train(model, sm, batches, lambda m, b: m(*b), "sgd", 3)
-    return {"loss_err": max(abs(a - b) for a, b in zip(ref_l, l)),
-            "param_err": _max_param_diff(sm.full_state_dict(), model), "stats": fxshard.comm_stats(sm)}
-
-
 def test_sequence_parallel_with_odd_length_and_vocab_keeps_megatron_counts():
     # 15 tokens -> 8 + 7 per rank, 65-token vocab -> 33 + 32: the same collectives as the even case
-    for r in run_ranks(_odd_sequence_parallel, 2):
+    from tests.test_plans import llama_seed003_train
+
+    for r in run_ranks(llama_seed003_train, 2, 15, 65):
         assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r
         fwd = r["stats"]["forward"]
         assert fwd["reduce_scatter"]["count"] == 2 * 2 + 1 and fwd["all_gather"]["count"] == 2 * 2 + 1, fwd
