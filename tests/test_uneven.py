@@ -317,3 +317,25 @@ def test_sequence_parallel_with_odd_length_and_vocab_keeps_megatron_counts():
         assert fwd["reduce_scatter"]["count"] == 2 * 2 + 1 and fwd["all_gather"]["count"] == 2 * 2 + 1, fwd
         # gathers move the padded pieces: 2 ranks x 8 tokens of [2, 32] floats
         assert fwd["all_gather"]["bytes"] == (2 * 2 + 1) * 2 * 8 * 2 * 32 * 4, fwd
+
+
+def _compiled_uneven(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model = Classifier()
+    batch = (torch.randint(0, 37, (4, 6)), torch.randint(0, N_CLASSES, (4, 6)))
+    plan = {"head": ColwiseParallel(), "emb": RowwiseParallel()}
+    sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batch)
+    loss = torch.compile(sm, backend="inductor", fullgraph=True)(*batch)
+    loss.backward()
+    ref = model(*batch)
+    ref.backward()
+    grad = sm._dtensor("head.weight", sm.head.weight.grad).full_tensor()
+    via_backend = torch.compile(copy.deepcopy(model), backend=fxshard.backend(mesh, plan))(*batch)
+    return {"loss_err": abs(loss.item() - ref.item()), "grad_err": (grad - model.head.weight.grad).abs().max().item(),
+            "backend_err": abs(via_backend.item() - ref.item())}
+
+
+def test_uneven_pieces_compile_with_inductor_and_the_fxshard_backend():
+    for r in run_ranks(_compiled_uneven, 2, timeout=600):
+        assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["backend_err"] <= TOL, r
