@@ -502,6 +502,7 @@ def backend_options(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, 
     Compilation is lazy: the options must be set when the compiled model is first *called*, not
     when ``torch.compile`` is.
     """
+    _register()
     previous = _ACTIVE[0] if _ACTIVE else None
     b = backend(mesh, plan, **options)
     _ACTIVE[:] = [b]
@@ -518,13 +519,12 @@ def _named_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> C
 
 
 def _register() -> None:
+    """Make ``backend="fxshard"`` resolve without an installed entry point (the package also declares
+    one, ``torch_dynamo_backends``). Done on first use so ``import fxshard`` does not import Dynamo."""
     from torch._dynamo.backends import registry
 
     if "fxshard" not in registry._COMPILER_FNS:
         registry.register_backend(_named_backend, name="fxshard")
-
-
-_register()
 
 
 # ---------------------------------------------------------------------------------------------------

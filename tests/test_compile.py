@@ -284,3 +284,12 @@ def test_backend_by_name_and_errors(mesh2):
     with pytest.raises(fxshard.ShardingError, match="no graph has been compiled"):
         list(fxshard.backend(mesh2, TOY_PLAN).parameters())
     torch._dynamo.reset()
+
+
+def test_importing_fxshard_does_not_import_dynamo():
+    import subprocess
+    import sys
+
+    code = "import sys, fxshard; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
