@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
-from fxshard.spec import can_split, chunk, local_shape
+from fxshard.passes.propagate import STRATEGY_KEY
+from fxshard.spec import META_KEY, can_split, chunk, local_shape
 from fxshard.placements import R, S
 from tests.dist_utils import run_ranks
 from tests.test_training import _max_param_diff, _train
@@ -339,3 +340,29 @@ def _compiled_uneven(rank: int, world: int) -> dict:
 def test_uneven_pieces_compile_with_inductor_and_the_fxshard_backend():
     for r in run_ranks(_compiled_uneven, 2, timeout=600):
         assert r["loss_err"] <= TOL and r["grad_err"] <= TOL and r["backend_err"] <= TOL, r
+
+
+def _uneven_dropout(rank: int, world: int) -> dict:
+    from tests.test_dropout import STYLE_PLAN, DropMLP, _data, _steps
+
+    mesh = fxshard.init_mesh(tp=world)
+    x, y = _data()
+    model = DropMLP(16, 33)  # hidden 33: pieces of 17 and 16
+    sm = fxshard.shard(copy.deepcopy(model), mesh, STYLE_PLAN, example_inputs=(x,), out_specs=(None, P(None, "tp")))
+    ref_losses, ref_hs, _ = _steps(model, x, y, 3)
+    losses, hs, _ = _steps(sm, x, y, 3)
+    start, length = chunk(33, world, rank)
+    full = sm.full_state_dict()
+    drops = [n.meta[META_KEY] for n in sm._training.fwd.gm.graph.nodes  # the lowered dropouts' results
+             if n.target is torch.ops.aten.mul.Tensor and any(st.lowering == "global_rng"
+                                                               for st in n.meta.get(STRATEGY_KEY, ()))]
+    return {"h_err": max((h - r[:, start:start + length]).abs().max().item() for h, r in zip(hs, ref_hs)),
+            "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "param_err": max((full[k] - v).abs().max().item() for k, v in model.state_dict().items()),
+            "hidden_drop": [repr(d) for d in drops if tuple(d.shape) == (8, 33)]}
+
+
+def test_dropout_on_an_uneven_split_draws_globally_and_keeps_its_piece():
+    for r in run_ranks(_uneven_dropout, 2):
+        assert r["h_err"] <= TOL and r["loss_err"] <= TOL and r["param_err"] <= TOL, r
+        assert r["hidden_drop"] == ["S(1)"], r  # dropped where it lives, not gathered first
