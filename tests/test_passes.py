@@ -12,6 +12,7 @@ produces a graph runs it, after each pass where the test drives the passes.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 from pathlib import Path
@@ -219,8 +220,13 @@ def test_propagate_toy_model(mesh2):
     assert out.meta[IN_KEY] == [(R,)]
 
 
-def test_propagate_transformer_heads_and_attention(mesh2):
-    gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_sdpa", "math_sdpa"])
+def test_propagate_transformer_heads_and_attention(mesh2, fused):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = contextlib.nullcontext() if fused else sdpa_kernel(SDPBackend.MATH)
+    with backend:  # the math backend traces attention to bmm/softmax pieces
+        gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
     propagate(gm, ctx)
     check_invariants(gm, "propagate")
     by_shape: dict = {}
@@ -229,8 +235,13 @@ def test_propagate_transformer_heads_and_attention(mesh2):
             by_shape.setdefault((n.target, tuple(n.meta[META_KEY].shape)), set()).add(spec(n))
     assert by_shape[(aten.view.default, (2, 16, 4, 8))] == {(S(2),)}  # heads split through the view
     assert by_shape[(aten.permute.default, (2, 4, 16, 8))] == {(S(1),)}  # ... and the transpose
-    assert by_shape[(aten.bmm.default, (8, 16, 16))] == {(S(0, 2),)}  # [B*H] merge with H split
-    assert by_shape[(aten.amax.default, (2, 4, 16, 1))] == {(S(1),)}  # softmax stays local per head
+    if fused:  # CPU's fused kernel stays one op, heads split
+        (sdpa,) = ops(gm, aten._scaled_dot_product_flash_attention_for_cpu.default)
+        assert spec(sdpa) == ((S(1),), (S(1),)) and sdpa.meta[IN_KEY] == [(S(1),)] * 3
+        assert not ops(gm, aten.bmm.default)
+    else:
+        assert by_shape[(aten.bmm.default, (8, 16, 16))] == {(S(0, 2),)}  # [B*H] merge with H split
+        assert by_shape[(aten.amax.default, (2, 4, 16, 1))] == {(S(1),)}  # softmax stays local per head
     emb_tok, emb_pos = ops(gm, aten.embedding.default)
     assert spec(emb_tok) == (PS,)
     assert [st.lowering for st in emb_tok.meta[STRATEGY_KEY]] == ["masked_embedding"]
@@ -301,7 +312,10 @@ def test_redistribute_2d_mesh(fake_mesh):
 
 
 def test_localize_rewrites_head_count(mesh2):
-    gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # attention as bmm pieces: a [B*H] merge to localize
+        gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
     gm = propagate(gm, ctx)
     gm = redistribute(gm, ctx)
     check_invariants(gm, "redistribute", ctx.mesh.coords)

@@ -1,8 +1,10 @@
 """Pass 6, emit: a clean per-rank GraphModule.
 
-Requires: a localized graph. Ensures: dead nodes removed, the graph linted
-and recompiled; the result runs on local tensors with plain ATen ops and
-functional collectives only.
+Requires: a localized graph. Ensures: dead nodes removed, traced layouts that
+views rely on kept (``passes/layout.py``), chains of views folded
+(``passes/simplify.py::fold_views``), the graph linted and recompiled;
+the result runs on local tensors with plain ATen ops and functional
+collectives only.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..context import ShardContext
+from .layout import pin_layouts
+from .simplify import fold_views
 
 __all__ = ["emit"]
 
 
 def emit(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
+    fold_views(pin_layouts(gm))
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -5,6 +5,9 @@ ensures a core-ATen graph ``(primals..., tangents...) -> (outputs..., grads...)`
 obtained by tracing the forward program together with ``torch.autograd.grad``
 under fake tensors (``make_fx``): backward ops are ordinary ATen ops, so the
 same rules shard them and the backward collectives fall out of propagation.
+Fused kernels that have rules (``trace.FUSED_FORWARD``/``FUSED_BACKWARD``:
+attention, layer-norm and activation backwards, embedding backward) stay one
+node each (``trace.joint_decomposition_table``).
 
 ``partition`` requires a sharded joint graph and ensures two GraphModules:
 forward ``primals -> (outputs..., saved...)`` holding exactly the nodes the
@@ -22,7 +25,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -30,7 +32,7 @@ from ..errors import ShardingError
 from ..collectives import INSERTED_KEY
 from ..memory import VIEW_OPS
 from ..registry import output_leaves
-from .trace import Traced, _cse, decomposition_table
+from .trace import Traced, _cse, joint_decomposition_table
 
 __all__ = ["Joint", "trace_joint", "partition", "Split"]
 
@@ -90,8 +92,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
             grads = [None] * len(inputs)
         return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], list(grads)
 
-    table = dict(core_aten_decompositions())
-    table.update({k: v for k, v in decomposition_table().items()})
+    table = joint_decomposition_table()  # core ATen, fused kernels that have rules kept
     with torch.enable_grad():
         gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(primals, tangents)
     for ph, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], [n.name for n in placeholders]):

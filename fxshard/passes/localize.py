@@ -119,6 +119,13 @@ def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
         safe, miss = _shifted_index(e, node, ins[0], node.args[1], 0, ctx)
         _set_arg(node, 1, safe)
         _zero_misses_after(g, node, miss, unsqueeze=True)
+    if "masked_embedding_backward" in lowerings:  # embedding_dense_backward(g, idx, V, pad, freq): own rows only
+        safe, miss = _shifted_index(e, node, node, node.args[1], 0, ctx)
+        pad = node.args[3]
+        if pad >= 0:  # the padding row gets no gradient: drop its tokens like misses
+            miss = e.op(aten.logical_or.default, miss, e.op(aten.eq.Scalar, node.args[1], pad))
+        g = e.op(aten.masked_fill.Scalar, node.args[0], e.op(aten.unsqueeze.default, miss, -1), 0.0)
+        node.args = (g, safe, int(_chunk_start(node.meta[META_KEY], 0, ctx)[1]), -1) + tuple(node.args[4:])
     if "masked_gather" in lowerings:  # gather(x, dim, idx)
         dim = norm_dim(node.args[1], len(ins[0].meta[META_KEY].shape))
         safe, miss = _shifted_index(e, node, ins[0], node.args[2], dim, ctx)

@@ -157,6 +157,8 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             if best is None:
                 best = replicate_all(call)
             chosen.append(best)
+        _replicate_at_base(ins, chosen, avail)
+        in_specs = [n.meta[META_KEY] for n in ins]
         for a, st in enumerate(chosen):
             for i, s, p in zip(ins, in_specs, st.inputs):
                 if p != s.placements[a]:
@@ -166,6 +168,34 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         node.meta[META_KEY] = _out_specs(node, chosen, out_shape)
     _refine(gm, ctx)
     return gm
+
+
+_BASE_VIEWS = {torch.ops.aten.permute.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
+def _replicate_at_base(ins: list[fx.Node], chosen: list[Strategy], avail: dict) -> None:
+    """Where an op needs an input replicated that is a one-user permute/view of another value, replicate
+    that value instead and let the view map ``R`` to ``R``: the same bytes move, but the replicated base
+    is then available to the base's other consumers (a linear's backward reads ``g`` for the input
+    gradient and ``permute(g)`` for the weight gradient: one gather serves both)."""
+    for a, st in enumerate(chosen):
+        for x in {x for x, want in zip(ins, st.inputs) if want == R}:
+            if any(y is x and want != R for y, want in zip(ins, st.inputs)):
+                continue
+            while (x.op == "call_function" and x.target in _BASE_VIEWS and len(x.users) == 1
+                   and STRATEGY_KEY in x.meta and not x.meta.get(FALLBACK_KEY)):
+                spec = x.meta[META_KEY]
+                base = tensor_inputs(x)[0]
+                if spec.placements[a] == R or x.meta[IN_KEY][0][a] != base.meta[META_KEY].placements[a]:
+                    break  # already replicated, or a redistribution already sits between base and view
+                strategies = list(x.meta[STRATEGY_KEY])
+                strategies[a] = Strategy((R,), R)
+                x.meta[STRATEGY_KEY] = tuple(strategies)
+                x.meta[IN_KEY] = [tuple(R if b == a else p for b, p in enumerate(x.meta[IN_KEY][0]))]
+                x.meta[META_KEY] = spec.with_placements(tuple(R if b == a else p
+                                                              for b, p in enumerate(spec.placements)))
+                avail.setdefault((base.name, a), set()).add(R)
+                x = base
 
 
 def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:

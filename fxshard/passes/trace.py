@@ -7,7 +7,8 @@ parameter/buffer tensor (tied parameters are one placeholder), lifted
 constants, then the flattened tensor leaves of ``(args, kwargs)``; every node
 carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
 ``_softmax``/``_log_softmax`` are decomposed so a split softmax dim becomes
-Partial reductions; shape assertions are dropped (they refer to global sizes).
+Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused;
+shape assertions and no-op clones are dropped (the former refer to global sizes).
 No real weight is allocated.
 """
 
@@ -27,10 +28,12 @@ from torch.utils import _pytree as pytree
 
 from ..constrain import constraint_scope, record
 from ..errors import ShardingError
+from .simplify import drop_noop_clones
 
 aten = torch.ops.aten
 
-__all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table"]
+__all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table", "joint_decomposition_table",
+           "FUSED_FORWARD", "FUSED_BACKWARD"]
 
 
 @dataclass
@@ -66,11 +69,49 @@ DROP = {
 }
 
 
+# Fused CPU kernels kept out of the decompositions: each has a sharding rule (fxshard/rules/), and
+# decomposing them costs ~25% of a training step in small ops (benchmarks/profile_step.py).
+FUSED_FORWARD = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,  # rules/attention.py
+)
+FUSED_BACKWARD = (
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,  # rules/attention.py
+    aten.native_layer_norm_backward.default,  # rules/norm.py
+    aten.embedding_dense_backward.default,  # rules/embedding.py
+    aten.gelu_backward.default,  # rules/pointwise.py (GRAD kind), as are the four below
+    aten.silu_backward.default,
+    aten.threshold_backward.default,
+    aten.sigmoid_backward.default,
+    aten.tanh_backward.default,
+)
+
+
 def decomposition_table() -> Any:
-    """torch.export's core-ATen table plus softmax decompositions (loss parallel needs them)."""
+    """torch.export's core-ATen table minus ``FUSED_FORWARD``, plus softmax decompositions.
+
+    Ensures: ``_softmax``/``_log_softmax`` decompose (loss parallel needs a split class dim to become
+    Partial max/sum reductions); the ops in ``FUSED_FORWARD`` stay fused (they have rules).
+    """
     table = torch.export.default_decompositions()
+    for op in FUSED_FORWARD:
+        table.pop(op, None)
     table[aten._softmax.default] = _decomps._softmax
     table[aten._log_softmax.default] = _decomps._log_softmax
+    return table
+
+
+def joint_decomposition_table() -> dict:
+    """The table joint (forward + backward) graphs are traced with.
+
+    Ensures: core ATen plus :func:`decomposition_table`, minus ``FUSED_FORWARD`` and ``FUSED_BACKWARD``
+    (fused kernels with sharding rules stay one node each).
+    """
+    from torch._decomp import core_aten_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(decomposition_table().items())
+    for op in FUSED_FORWARD + FUSED_BACKWARD:
+        table.pop(op, None)
     return table
 
 
@@ -241,7 +282,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         if node.op == "call_function" and node.target in DROP:
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    gm = _cse(gm)
+    gm = drop_noop_clones(_cse(gm))
 
     flat, in_tree = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]

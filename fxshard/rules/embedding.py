@@ -31,6 +31,29 @@ def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
+@register(aten.embedding_dense_backward.default, uneven=True)
+def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``embedding_dense_backward(g[*idx, D], idx, V, padding_idx, scale_grad_by_freq) -> [V, D]``: the
+    forward's splits seen from the gradient.
+
+    Split D of ``g`` (colwise); split V with a masked local accumulation (each rank adds the rows of
+    the indices in its range, the ``masked_embedding_backward`` lowering; not with ``scale_grad_by_freq``,
+    whose per-row counts the redirected misses would change); or a ``P(sum)`` ``g`` (linear).
+
+    Split indices are gathered rather than offered as a strategy giving a ``P(sum)`` table: that is
+    correct (each rank's tokens give a term of the sum) but leaves a ``[V, D]`` reduction behind that
+    the greedy per-op cost cannot see, and tokens usually move fewer bytes than a table of ``V`` rows.
+    """
+    g = call.in_shapes[0]
+    v, d = call.out_shape
+    res = [Strategy((R, R), R), Strategy((Part(), R), Part())]
+    if can_split(d, n):
+        res.append(Strategy((S(len(g) - 1), R), S(1)))
+    if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
+        res.append(Strategy((R, R), S(0), lowering="masked_embedding_backward"))
+    return res
+
+
 @register(aten.gather.default, uneven=True)
 def gather_rule(call: OpCall, n: int) -> list[Strategy]:
     """``gather(x, dim, index)``: split a non-gather dim of both, or split the gather dim of x

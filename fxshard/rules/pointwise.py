@@ -7,6 +7,7 @@ Each op has a kind that says which Partial states it preserves:
   tensor input is ``P(sum)``;
 * ``mul``      linear in each tensor argument separately: one ``P(sum)`` input, the rest replicated;
 * ``div``      linear in the numerator only;
+* ``grad``     an activation's backward ``f_backward(grad_out, x)``: linear in ``grad_out`` only;
 * ``where``    linear in the two value arguments with a non-partial condition;
 * ``nonlinear`` only split or replicated inputs.
 
@@ -31,6 +32,7 @@ COPY = ("clone", "alias", "_to_copy", "detach", "lift_fresh_copy", "contiguous")
 LINEAR = ("add.Tensor", "sub.Tensor", "neg", "mul.Scalar", "div.Scalar", "where.self")
 MUL = ("mul.Tensor",)
 DIV = ("div.Tensor",)
+GRAD = ("gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward")
 NONLINEAR = (
     "add.Scalar sub.Scalar rsub.Scalar rsub.Tensor pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar rsqrt sqrt exp "
     "exp2 expm1 log log1p log2 sigmoid tanh relu gelu silu sin cos abs sign reciprocal erf erfinv "
@@ -39,7 +41,7 @@ NONLINEAR = (
     "logical_or logical_not logical_xor bitwise_and.Tensor bitwise_or.Tensor bitwise_not bitwise_xor.Tensor "
     "isnan isinf floor ceil round.default trunc fmod.Scalar fmod.Tensor remainder.Scalar remainder.Tensor "
     "floor_divide.default atan2.default hardtanh leaky_relu elu mish hardsigmoid hardswish softplus "
-    "masked_fill.Scalar masked_fill.Tensor threshold_backward"
+    "masked_fill.Scalar masked_fill.Tensor"
 ).split()
 
 
@@ -134,8 +136,8 @@ def pointwise_rule(kind: str):
             elif k == 2 or call.node.target not in (aten.add.Tensor, aten.sub.Tensor):
                 # a lone tensor in add/sub means a scalar operand: x + c is affine, not linear
                 strategies.append(Strategy(tuple(Part() for _ in range(k)), Part()))
-        elif kind in ("mul", "div"):
-            for i in range(1 if kind == "div" else k):
+        elif kind in ("mul", "div", "grad"):
+            for i in range(k if kind == "mul" else 1):
                 ins = [R] * k
                 ins[i] = Part()
                 strategies.append(Strategy(tuple(ins), Part()))
@@ -145,5 +147,6 @@ def pointwise_rule(kind: str):
     return rule
 
 
-for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("nonlinear", NONLINEAR)):
+for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("grad", GRAD),
+                      ("nonlinear", NONLINEAR)):
     register(_overloads(_names), pointwise_rule(_kind), uneven=True)
