@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -48,7 +49,7 @@ def torch_transformer_plan(use_seq_parallel: bool) -> dict:
     return plan
 
 
-def _torch_transformer(rank: int, world: int, seq_parallel: bool) -> dict:
+def _torch_transformer(rank: int, world: int, seq_parallel: bool, seq: int = 16) -> dict:
     from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
 
     mesh = fxshard.init_mesh(tp=world)
@@ -57,7 +58,8 @@ def _torch_transformer(rank: int, world: int, seq_parallel: bool) -> dict:
     args = ModelArgs(n_layers=2, vocab_size=64, max_seq_len=16, dim=16, n_heads=4, dropout_p=0.0, weight_tying=True)
     model = Transformer(args)
     g = torch.Generator().manual_seed(3)
-    batches = [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)) for _ in range(2)]
+    batches = [(torch.randint(0, 64, (2, seq), generator=g), torch.randint(0, 64, (2, seq), generator=g))
+               for _ in range(2)]
     sm = fxshard.shard(copy.deepcopy(model), mesh, torch_transformer_plan(seq_parallel), example_inputs=(batches[0][0],))
     with torch.no_grad():
         fwd_err = (sm(batches[0][0]) - model(batches[0][0])).abs().max().item()
@@ -82,8 +84,9 @@ def test_torch_test_transformer_with_its_own_plan():
         assert set(bwd) == {"all_reduce"} and bwd["all_reduce"]["count"] == 2 * 2 + 1
 
 
-def test_torch_test_transformer_sequence_parallel():
-    for res in run_ranks(_torch_transformer, 2, True):
+@pytest.mark.parametrize("seq", [16, 15])  # 15: uneven sequence pieces of 8 and 7, same collectives
+def test_torch_test_transformer_sequence_parallel(seq):
+    for res in run_ranks(_torch_transformer, 2, True, seq):
         assert res["fwd_err"] <= TOL and res["loss_err"] <= TOL and res["param_err"] <= TOL, res
         fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
         # Megatron-SP: each layer's all_reduce becomes reduce_scatter + all_gather, both directions

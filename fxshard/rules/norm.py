@@ -6,12 +6,12 @@ import torch
 
 from ..placements import Part, R, S
 from ..registry import OpCall, Strategy, register
-from ..symbolic import divides
+from ..spec import can_split
 
 aten = torch.ops.aten
 
 
-@register(aten.native_layer_norm.default)
+@register(aten.native_layer_norm.default, uneven=True)
 def layer_norm_rule(call: OpCall, n: int) -> list[Strategy]:
     """``native_layer_norm(x, normalized_shape, w, b, eps) -> (out, mean, rstd)``; w/b replicated."""
     x = call.in_shapes[0]
@@ -19,12 +19,12 @@ def layer_norm_rule(call: OpCall, n: int) -> list[Strategy]:
     axis = len(x) - len(call.node.args[1])
     res = [Strategy((R,) * k, (R, R, R))]
     for d in range(axis):
-        if divides(x[d], n):
+        if can_split(x[d], n):
             res.append(Strategy((S(d),) + (R,) * (k - 1), (S(d), S(d), S(d))))
     return res
 
 
-@register(aten.native_layer_norm_backward.default)
+@register(aten.native_layer_norm_backward.default, uneven=True)
 def layer_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``native_layer_norm_backward(g, x, normalized_shape, mean, rstd, w?, b?, output_mask)
     -> (grad_x?, grad_w?, grad_b?)``.
@@ -43,6 +43,6 @@ def layer_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
 
     res = [Strategy((R,) * k, out(R, R, R))]
     for d in range(axis):
-        if divides(x[d], n):
+        if can_split(x[d], n):
             res.append(Strategy((S(d),) * 4 + (R,) * (k - 4), out(S(d), Part(), Part())))
     return res

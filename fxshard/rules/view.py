@@ -76,8 +76,10 @@ def view_shard(in_shape: Sequence[Dim], out_shape: Sequence[Dim], p: S, n: int) 
             continue
         size = in_shape[p.dim]
         if not divides(size, p.outer * n):  # uneven: only a dim the view leaves as it is keeps its split
-            same = len(gi) == 1 and len(go) == 1 and equal(size, out_shape[go[0]])
-            return S(go[0]) if same and can_split(size, n, p.outer) else None
+            ins = [d for d in gi if not equal(in_shape[d], 1)]  # size-1 dims come and go freely
+            outs = [j for j in go if not equal(out_shape[j], 1)]
+            same = ins == [p.dim] and len(outs) == 1 and equal(size, out_shape[outs[0]])
+            return S(outs[0]) if same and can_split(size, n, p.outer) else None
         pre = p.outer * prod(in_shape[d] for d in gi[: gi.index(p.dim)])
         sz = exact_div(size, p.outer)
         acc: Dim = 1
