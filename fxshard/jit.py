@@ -364,6 +364,13 @@ class ShardedFunction:
                 f"positional arguments only (in_specs describes them by position): pass them positionally"
             )
         leaves, flat, tree = self._leaves(tuple(args), global_shapes=False)
+        for x, leaf in zip(flat, leaves):
+            if leaf.is_tensor and x.device.type == "meta":
+                raise ShardingError(
+                    f"{self.__name__}: argument {leaf.path} is a meta tensor: it has a shape but no data, so the "
+                    f"program cannot run on it; pass real local pieces (to trace ahead of time from meta "
+                    f"tensors, give them with GLOBAL shapes to fxshard.jit(example_inputs=...) or sf.lower())"
+                )
         key = self._key(tree, leaves)
         comp = self._cache.get(key)
         if comp is None:

@@ -399,7 +399,15 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for name, local in own.items():
                 v = state_dict[name]
-                local.copy_(v.to_local() if isinstance(v, DTensor) else v)
+                piece = v.to_local() if isinstance(v, DTensor) else v
+                if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != tuple(local.shape):
+                    got = tuple(piece.shape) if isinstance(piece, torch.Tensor) else type(piece).__name__
+                    raise ShardingError(
+                        f"load_sharded_state_dict: {name} is {got} on this rank, but its local shard is "
+                        f"{tuple(local.shape)}; pass sm.sharded_state_dict() after loading into it (dcp.load), "
+                        f"or use load_full_state_dict for full tensors"
+                    )
+                local.copy_(piece)
         self._mark_filled(own)
 
     def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:

@@ -89,6 +89,14 @@ def test_out_specs_structure_error_describes_the_output(mesh2):
         fxshard.shard(models.ToyModel(16, 32), mesh2, {}, example_inputs=(x8(),), in_specs=(P("tp"), P("tp")))
 
 
+def test_load_sharded_state_dict_of_the_wrong_shape(mesh2):
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(x8(),))
+    full = models.ToyModel(16, 32).state_dict()
+    with pytest.raises(ShardingError, match=r"load_sharded_state_dict: net1.weight is \(32, 16\) on this rank, but "
+                                            r"its local shard is \(16, 16\); pass sm.sharded_state_dict\(\)"):
+        sm.load_sharded_state_dict(full)
+
+
 def test_bad_src_data_rank_and_timeout(mesh2):
     with pytest.raises(ShardingError, match=r"src_data_rank=2 is not a coordinate on every axis of the mesh"):
         fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(x8(),), src_data_rank=2)
@@ -176,6 +184,8 @@ def test_jit_rejects_global_shaped_arguments(mesh2):
                                             r"each rank's LOCAL piece, here of shape \[4, 16\]"):
         sf(x, w)
     assert len(sf._cache) == 1
+    with pytest.raises(ShardingError, match=r"argument x is a meta tensor: it has a shape but no data"):
+        sf(x.chunk(2)[0].to("meta"), w)
     sf.lower(torch.randn(16, 16), w)  # a genuinely new local size [8, 16], traced on purpose: then it runs
     assert sf(x, w).shape == (8, 8) and len(sf._cache) == 2
 
