@@ -287,9 +287,10 @@ class ShardedFunction:
         with mode:  # fake tensors with the global shapes: nothing is allocated
             fakes = [torch.empty(l.global_shape, dtype=l.dtype, device=device) for l in leaves if l.is_tensor]
         try:
-            # functionalize: in-place ops of decompositions (linear's bias add_) become functional, and a
-            # mutated argument shows up as a final copy_ into its placeholder (rejected below). The math
-            # SDPA backend decomposes attention above autograd, so its backward is plain ATen too.
+            # plain make_fx first (functionalize rejects the autograd.Function fxshard.constrain uses under
+            # torch.func); only a graph with in-place ops is re-traced under functionalize, where a mutated
+            # argument shows up as a final copy_ into its placeholder (rejected below). The math SDPA
+            # backend decomposes attention above autograd, so its backward is plain ATen too.
             with sdpa_kernel([SDPBackend.MATH]), constraint_scope(functional=True):
                 gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=_decompositions(),
                              record_stack_traces=True)(*fakes)
