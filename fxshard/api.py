@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -16,8 +19,10 @@ from .context import ShardContext
 from .inputs import InputCheck
 from .mesh import MeshInfo
 from .checkpoint import rank_slices
-from .module import Program, ShardedModule, Training
-from .passes.annotate import annotate, spec_leaves
+from .errors import ShardingError
+from .module import Program, Programs, ShardedModule, Training
+from .replicas import check_replicas, communicates, from_source, sentinel
+from .passes.annotate import Leaf, annotate, spec_leaves
 from .passes.emit import emit
 from .passes.joint import partition, trace_joint
 from .passes.localize import localize, runtime_device
@@ -53,7 +58,7 @@ def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo,
     n_mut = len(traced.mutations)
     req: list[Optional[tuple[Pl, ...]]] = [param_pls.get(b, (R,) * len(mesh.sizes)) for b in traced.mutations]
     user = leaves[n_mut:]
-    struct = pytree.tree_unflatten(list(range(len(user))), traced.out_tree)
+    struct = pytree.tree_unflatten([Leaf(_output_text(i, leaf)) for i, leaf in enumerate(user)], traced.out_tree)
     specs = spec_leaves(out_specs, struct, "out_specs") if out_specs is not None else [None] * len(user)
     for i, (leaf, spec) in enumerate(zip(user, specs)):
         val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
@@ -64,9 +69,16 @@ def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo,
     return req
 
 
+def _output_text(i: int, leaf: Any) -> str:
+    val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
+    if isinstance(val, torch.Tensor):
+        return f"output {i} (a tensor of shape {list(val.shape)})"
+    return f"output {i} ({type(val).__name__})"
+
+
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
-          out_specs: Any = None, dynamic_shapes: Any = None,
+          out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
           progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -80,17 +92,77 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     of what ``model`` returns on the global inputs. Plan errors raise
     ShardingError before tracing. ``progress``, if given, is called with a short
     message as each stage starts (tracing a large model takes a while).
+
+    Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
+    ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
+    from it, one at a time, and every rank keeps its slice, so an unseeded model gives the result
+    of the unsharded model on that rank. ``src_data_rank=None`` keeps each rank's own values (no
+    communication) and raises a ShardingError naming any replicated value that differs between
+    ranks. A model built on the meta device has no values yet: fill the result with
+    ``init_parameters``, ``load_full_state_dict``, a DCP load or in-place writes; calling it
+    before raises a ShardingError naming what was never filled.
+
+    Modes: the programs are traced in the modes (``training`` flags) ``model``'s submodules
+    have now. ``sm.train()``/``sm.eval()`` (or a submodule's) are followed as in eager: the first
+    call in a new combination of modes traces and shards again for it (on every rank: all ranks
+    must switch together), and the programs are cached per combination.
     """
     say = progress or (lambda msg: None)
     info = MeshInfo.of(mesh)
+    if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
+            0 <= src_data_rank < n for n in info.sizes)):
+        raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "
+                            f"{dict(zip(info.names, info.sizes))}; pass an int below {min(info.sizes)} (default 0), "
+                            f"or None to keep each rank's own values")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
-    check_same_on_all_ranks(fingerprint(plan, model, info, example_inputs, in_specs, out_specs))
+    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes)
+    progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
+    say("allocating local shards")
+    tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
+    modules = _module_tree(model)
+    sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
+                       modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
+                       reshard=None if getattr(model, "fxshard_fixed_modes", False)
+                       else _resharder(model, info, req, placements, progress))
+    if src_data_rank is None:
+        check_replicas(sm._named_tensors(), placements, mesh,
+                       "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
+                       "the model or load the same checkpoint on every rank, or leave src_data_rank=0 (the default) "
+                       "to copy rank 0's values")
+    return sm
+
+
+@dataclass
+class _Request:
+    """What ``shard()`` was asked for, kept to shard the model again for other modes."""
+
+    plan: Optional[Mapping[str, Any]]
+    example_inputs: tuple
+    kwargs: dict
+    in_specs: Any
+    out_specs: Any
+    dynamic_shapes: Any
+
+
+def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
+    """``(fqn, type name, training, first fqn of the same module)`` per submodule, in pre-order."""
+    first: dict[int, str] = {}
+    return [(fqn, type(m).__name__, m.training, first.setdefault(id(m), fqn))
+            for fqn, m in model.named_modules(remove_duplicate=False)]
+
+
+def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
+                    ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device]:
+    """Trace ``model`` in its current modes and shard every program (a collective: the consistency check)."""
+    example_inputs, kwargs = req.example_inputs, req.kwargs
+    check_same_on_all_ranks(fingerprint(req.plan, model, info, example_inputs, req.in_specs, req.out_specs))
     say("checking the plan")
-    param_pls = resolve_plan(plan, model, info)
+    param_pls = resolve_plan(req.plan, model, info)
     say("tracing the forward (torch.export)")
-    traced = trace_forward(model, example_inputs, kwargs, dynamic_shapes, resolve_boundaries(plan, model, info))
-    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, in_specs, _out_required(traced, out_specs, info, param_pls))
+    traced = trace_forward(model, example_inputs, kwargs, req.dynamic_shapes,
+                           resolve_boundaries(req.plan, model, info))
+    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs,
+                   _out_required(traced, req.out_specs, info, param_pls))
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}
@@ -115,10 +187,62 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
         training = _shard_training(traced, ctx, wants_grad, say)
     say("sharding the inference program")
     gm = run_passes(traced.gm, ctx)
-    say("allocating local shards")
-    tensors = _local_tensors(model, traced, placements, mesh, runtime_device(ctx))
-    return ShardedModule(traced, Program(gm, "forward", list(ctx.fallbacks)), training, mesh, info, placements,
-                         shapes, tensors, check)
+    progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
+    return progs, placements, shapes, runtime_device(ctx)
+
+
+def _meta_like(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta").requires_grad_(x.requires_grad)
+    return x
+
+
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device (no data is copied)."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict[str, tuple[Pl, ...]],
+               progress: Optional[Callable[[str], None]]) -> Callable[[dict[str, bool]], Programs]:
+    """``modes -> Programs``: shards a meta copy of ``model`` with its submodules in ``modes``."""
+    try:
+        skeleton: Optional[nn.Module] = _skeleton(model)
+        why = ""
+    except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
+        skeleton, why = None, f"{type(e).__name__}: {e}"
+    req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
+                   req.in_specs, req.out_specs, req.dynamic_shapes)
+    name = type(model).__name__
+
+    def reshard(modes: dict[str, bool]) -> Programs:
+        if skeleton is None:
+            raise ShardingError(
+                f"ShardedModule({name}): the train/eval modes changed since shard(), which needs the model traced "
+                f"again, but fxshard could not keep a copy of it ({why}); shard the model in the modes you run it in"
+            )
+        for fqn, m in skeleton.named_modules():
+            m.training = modes.get(fqn, m.training)
+        say = progress or (lambda msg: None)
+        say(f"modes changed: sharding {name} again for {_mode_text(modes)}")
+        progs, again, _, _ = _shard_programs(skeleton, info, req, say)
+        if again != placements:
+            raise ShardingError(f"internal: sharding {name} for other modes placed its parameters differently; "
+                                f"please report this model")
+        return progs
+
+    return reshard
+
+
+def _mode_text(modes: dict[str, bool]) -> str:
+    evals = [fqn or "<root>" for fqn, training in modes.items() if not training]
+    if not evals:
+        return "training mode"
+    return "eval mode" if len(evals) == len(modes) else f"eval mode in {evals[:4]}{' ...' if len(evals) > 4 else ''}"
 
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
@@ -144,28 +268,44 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
                     joint.diff_out, joint.diff_in)
 
 
-def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh,
-                   device: torch.device) -> dict[str, torch.Tensor]:
-    """Local shards of every parameter/buffer, sliced from the model's tensors (meta: uninitialized)."""
+def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh, device: torch.device,
+                   src_data_rank: Optional[int]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Local shards of every parameter/buffer, and the names of those that hold no values yet.
+
+    A real tensor is sliced where it lives and only the shard moves to ``device``; with
+    ``src_data_rank`` set (and a mesh that moves data) the full tensor of that rank is broadcast
+    first, one tensor at a time. A meta tensor becomes a local shard filled with a sentinel (NaN,
+    or the integer maximum) that ``ShardedModule`` reports as unfilled until something writes it;
+    on the fake process group, where nothing runs, shards of meta tensors stay on meta.
+    """
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     out: dict[str, torch.Tensor] = {}
-    coords = MeshInfo.of(mesh).coords
+    unfilled: list[str] = []
+    info = MeshInfo.of(mesh)
+    src = src_data_rank if communicates(mesh) else None
     for slot in traced.slots:
         if slot.kind not in ("param", "buffer"):
             continue
         name = slot.names[0]
         full = named[name]
         pls = placements[name]
-        if full.device.type == "meta" and dist.is_initialized() and dist.get_backend() == "fake":
-            # planning on the fake process group: shards stay on meta (nothing can run anyway)
-            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape), coords)]
-            local = torch.empty(shape, dtype=full.dtype, device="meta")
-        elif full.device.type == "meta":
-            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape), coords)]
-            local = torch.empty(shape, dtype=full.dtype, device=device)
+        if full.device.type == "meta":
+            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape), info.coords)]
+            if dist.is_initialized() and dist.get_backend() == "fake":
+                local = torch.empty(shape, dtype=full.dtype, device="meta")
+            else:
+                fill = sentinel(full.dtype)
+                local = torch.empty(shape, dtype=full.dtype, device=device)
+                if fill is not None:
+                    local.fill_(fill)
+                if local.numel():
+                    unfilled.append(name)
         else:
-            # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
-            local = full.detach()[rank_slices(tuple(full.shape), pls, MeshInfo.of(mesh))].to(device).clone()
+            with torch.no_grad():
+                source = from_source(full, src, mesh, device) if src is not None else full.detach()
+                # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
+                local = source[rank_slices(tuple(full.shape), pls, info)].to(device).clone()
+                del source
         out[name] = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
-    return out
+    return out, unfilled

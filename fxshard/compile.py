@@ -181,6 +181,10 @@ class _Captured:
 class _View(nn.Module):
     """The captured graph as an nn.Module: real parameters under their FQNs, forward runs the graph."""
 
+    # TorchDynamo captures a new graph when the compiled model's modes change, so the ShardedModule of a
+    # captured graph never re-traces for other modes: fxshard.shard keeps no copy of it for that
+    fxshard_fixed_modes = True
+
     def __init__(self, cap: _Captured) -> None:
         super().__init__()
         types = cap.module_types()

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .comm_errors import guard_collective
 from .errors import ShardingError
 from .mesh import MeshInfo
 
@@ -30,6 +31,7 @@ def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, info: MeshI
     else:
         fp["plan"] = repr(plan)  # not a dict: resolve_plan explains the error on every rank
     fp["model"] = type(model).__name__ + repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    fp["modules in eval mode"] = repr([n or "<root>" for n, m in model.named_modules() if not m.training])
     fp["example input shapes"] = repr([tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                                       for x in example_inputs])
     return fp
@@ -40,7 +42,8 @@ def check_same_on_all_ranks(fp: dict[str, str]) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, fp)
+    guard_collective(lambda: dist.all_gather_object(everyone, fp),
+                     "comparing what every rank shards (the first collective of shard() or of a new jit signature)")
     ref = everyone[0]
     for rank, other in enumerate(everyone):
         for name in sorted(set(ref) | set(other)):
@@ -48,5 +51,5 @@ def check_same_on_all_ranks(fp: dict[str, str]) -> None:
                 raise ShardingError(
                     f"{name} differs between rank 0 ({ref.get(name, 'absent')}) and rank {rank} "
                     f"({other.get(name, 'absent')}); every rank must call shard() with the same plan, mesh, "
-                    f"model and input shapes"
+                    f"model, modes and input shapes"
                 )

@@ -67,14 +67,37 @@ _constrain.register_autograd(_backward, setup_context=_setup)
 CONSTRAIN_OP = torch.ops.fxshard.constrain.default
 
 
+class _ConstrainFn(torch.autograd.Function):
+    """The constraint with the same gradient rule as an autograd.Function that ``torch.func``
+    transforms accept (the custom op's own autograd is not): what ``fxshard.jit`` traces."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, key: str) -> torch.Tensor:  # type: ignore[override]
+        return _constrain(x, key)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        _setup(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        return _backward(ctx, grad)
+
+
+_FUNCTIONAL = [False]
+
+
 @contextlib.contextmanager
-def constraint_scope() -> Iterator[None]:
-    """While active (fxshard tracing), ``constrain`` records constraint ops."""
+def constraint_scope(functional: bool = False) -> Iterator[None]:
+    """While active (fxshard tracing), ``constrain`` records constraint ops; ``functional`` when the
+    traced code may differentiate with ``torch.func`` (``fxshard.jit``)."""
     _DEPTH[0] += 1
+    before, _FUNCTIONAL[0] = _FUNCTIONAL[0], functional
     try:
         yield
     finally:
         _DEPTH[0] -= 1
+        _FUNCTIONAL[0] = before
 
 
 def constraint_spec(key: str) -> Any:
@@ -89,7 +112,7 @@ def constrain(x: torch.Tensor, spec: Any) -> torch.Tensor:
         return x
     key = f"c{next(_COUNTER)}"
     _SPECS[key] = spec
-    return _constrain(x, key)
+    return _ConstrainFn.apply(x, key) if _FUNCTIONAL[0] else _constrain(x, key)
 
 
 def record(x: Any, spec: Optional[Any]) -> Any:

@@ -3,7 +3,9 @@
 The sharded programs bake in every static size and the divisibility facts the
 plan relied on, so an input of another size must be stopped before it runs:
 otherwise it fails deep inside with an unreadable shape error, or, worse, runs.
-Static dims must match exactly (this rank's ``torch.chunk`` piece when split).
+Static dims must match exactly (this rank's ``torch.chunk`` piece when split), and
+so must dtypes (the program's ops were traced for them) and the device type (meta
+tensors hold no data).
 A dynamic dim (``dynamic_shapes``) may take any size that satisfies its
 declaration, e.g. ``2*Dim('seq')`` needs an even global size, within its
 ``min``/``max``, and equal wherever the same symbol appears.
@@ -44,6 +46,8 @@ class InputCheck:
     def __init__(self, indices: Sequence[int], vals: Sequence[Any], placements: Sequence[Sequence[Pl]],
                  info: MeshInfo, ranges: Optional[dict] = None):
         self._indices = list(indices)  # user input numbers, for messages
+        self._device_type = info.device_type
+        self._dtypes = [val.dtype if isinstance(val, torch.Tensor) else None for val in vals]
         self._ndims: list[int] = []
         self._rules: list[_DimRule] = []
         self._ranges = dict(ranges or {})
@@ -70,8 +74,25 @@ class InputCheck:
     def check(self, tensors: Sequence[Any]) -> None:
         """Raise a ShardingError naming the input, dim and declaration that ``tensors`` (one per
         index given at construction, in that order) violate."""
-        for i, x, nd in zip(self._indices, tensors, self._ndims):
-            if isinstance(x, torch.Tensor) and x.dim() != nd:
+        for i, x, nd, dtype in zip(self._indices, tensors, self._ndims, self._dtypes):
+            if not isinstance(x, torch.Tensor):
+                continue
+            if x.device.type == "meta":
+                raise ShardingError(
+                    f"input {i} is a meta tensor: it has a shape but no data, so the sharded program cannot run "
+                    f"on it; pass real tensors on {self._device_type} (meta tensors are fine as example_inputs "
+                    f"for shard())"
+                )
+            if x.device.type != self._device_type:
+                raise ShardingError(f"input {i} is on {x.device}, but the sharded module runs on "
+                                    f"{self._device_type} (the mesh's device type); move it there first")
+            if dtype is not None and x.dtype != dtype:
+                raise ShardingError(
+                    f"input {i} has dtype {x.dtype}, but the module was sharded for {dtype} (the example input's "
+                    f"dtype) and its program was traced for it; cast the input (x.to({dtype})) or shard with an "
+                    f"example input of dtype {x.dtype}"
+                )
+            if x.dim() != nd:
                 raise ShardingError(f"input {i} has {x.dim()} dims but the module was sharded for {nd}; pass "
                                     f"inputs shaped like example_inputs")
         bound: dict = {}

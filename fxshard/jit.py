@@ -13,11 +13,16 @@ Tracing (``ShardedFunction._trace``) requires a pure ``fn`` and ensures a
 functional core-ATen graph with one placeholder per tensor leaf of the
 arguments (in pytree order, named after the argument path, e.g.
 ``in_params_net1_weight``) and one output per leaf of the result:
-``make_fx(functionalize(fn), tracing_mode="fake")`` with the core-ATen table
-plus ``fxshard.passes.trace.decomposition_table()`` (and ``scatter.value``
-rewritten into ops that have rules), attention on the math SDPA backend so its
-backward is plain ATen; ``aten.alias`` and shape assertions dropped and the
-graph CSE'd, as ``passes/joint.py`` does. A mutated argument is a ShardingError.
+``make_fx(fn, tracing_mode="fake")`` with the core-ATen table plus
+``fxshard.passes.trace.decomposition_table()`` (and ``scatter.value`` rewritten
+into ops that have rules), attention on the math SDPA backend so its backward is
+plain ATen; a graph with in-place ops is traced again under ``functionalize``
+(``functionalize`` is not the outer transform of the first trace because it
+rejects the autograd.Function ``fxshard.constrain`` differentiates through
+under ``torch.func``); ``aten.alias`` and shape assertions dropped and the graph
+CSE'd, as ``passes/joint.py`` does. A mutated argument is a ShardingError.
+``fxshard.constrain`` calls in ``fn`` are recorded and pin placements as they
+do under ``fxshard.shard``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,18 +46,20 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from .api import run_passes
+from .comm_errors import run_program
 from .consistency import check_same_on_all_ranks
+from .constrain import constraint_scope
 from .context import ShardContext
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import Program
-from .passes.annotate import check_divisible, spec_leaves
+from .passes.annotate import Leaf, check_divisible, constraint_table, spec_leaves
 from .passes.localize import runtime_device
 from .passes.trace import DROP, _cse, decomposition_table, tracing_error
 from .placements import P, Pl
 from .plan import is_spec_leaf, to_placements
 from .registry import output_leaves
-from .spec import shard_factor
+from .spec import fmt_placements, shard_factor
 
 __all__ = ["jit", "ShardedFunction"]
 
@@ -95,6 +103,19 @@ class _Compiled:
 
     program: Program
     out_tree: Any
+    tree: Any = None  # the input signature it was traced for
+    leaves: Sequence[_Leaf] = ()
+
+
+def _functionalized(gm: fx.GraphModule, fakes: list[torch.Tensor]) -> fx.GraphModule:
+    """``gm`` re-traced under ``functionalize``: in-place ops become functional, and an updated
+    argument becomes a final ``copy_`` into its placeholder; nodes keep their source lines."""
+    def run(*args: torch.Tensor) -> Any:
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
+
+    return make_fx(functionalize(run, remove="mutations"), tracing_mode="fake",
+                   decomposition_table=_decompositions())(*fakes)
 
 
 def _path_str(names: Sequence[str], path: tuple) -> str:
@@ -238,8 +259,9 @@ class ShardedFunction:
             node.target = node.name  # the argument name in the generated code, too
             ctx.seeds[node.name] = leaf.pls
         ctx.out_required = self._out_required(gm, out_tree)
+        ctx.constraints = constraint_table(gm, info)  # fxshard.constrain calls in fn mean what they mean in shard()
         gm = run_passes(gm, ctx)
-        return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree)
+        return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree, tree, leaves)
 
     def _trace(self, leaves: list[_Leaf], tree: Any, device: torch.device) -> tuple[fx.GraphModule, Any]:
         fn = self._fn
@@ -265,12 +287,16 @@ class ShardedFunction:
         with mode:  # fake tensors with the global shapes: nothing is allocated
             fakes = [torch.empty(l.global_shape, dtype=l.dtype, device=device) for l in leaves if l.is_tensor]
         try:
-            # functionalize: in-place ops of decompositions (linear's bias add_) become functional, and a
-            # mutated argument shows up as a final copy_ into its placeholder (rejected below). The math
-            # SDPA backend decomposes attention above autograd, so its backward is plain ATen too.
-            with sdpa_kernel([SDPBackend.MATH]):
-                gm = make_fx(functionalize(flat_fn, remove="mutations"), tracing_mode="fake",
-                             decomposition_table=_decompositions(), record_stack_traces=True)(*fakes)
+            # plain make_fx first (functionalize rejects the autograd.Function fxshard.constrain uses under
+            # torch.func); only a graph with in-place ops is re-traced under functionalize, where a mutated
+            # argument shows up as a final copy_ into its placeholder (rejected below). The math SDPA
+            # backend decomposes attention above autograd, so its backward is plain ATen too.
+            with sdpa_kernel([SDPBackend.MATH]), constraint_scope(functional=True):
+                gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=_decompositions(),
+                             record_stack_traces=True)(*fakes)
+            if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+                   for n in gm.graph.nodes):
+                gm = _functionalized(gm, fakes)
         except ShardingError:
             raise
         except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
@@ -304,7 +330,7 @@ class ShardedFunction:
     def _out_required(self, gm: fx.GraphModule, out_tree: Any) -> list[Optional[tuple[Pl, ...]]]:
         out_node = next(n for n in gm.graph.nodes if n.op == "output")
         outs = output_leaves(out_node)
-        struct = pytree.tree_unflatten(list(range(len(outs))), out_tree)
+        struct = pytree.tree_unflatten([Leaf(f"output leaf {i}") for i in range(len(outs))], out_tree)
         specs = spec_leaves(self._out_specs, struct, "out_specs") if self._out_specs is not None \
             else [None] * len(outs)
         paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(struct)[0]]
@@ -339,15 +365,51 @@ class ShardedFunction:
                 f"positional arguments only (in_specs describes them by position): pass them positionally"
             )
         leaves, flat, tree = self._leaves(tuple(args), global_shapes=False)
+        for x, leaf in zip(flat, leaves):
+            if leaf.is_tensor and x.device.type == "meta":
+                raise ShardingError(
+                    f"{self.__name__}: argument {leaf.path} is a meta tensor: it has a shape but no data, so the "
+                    f"program cannot run on it; pass real local pieces (to trace ahead of time from meta "
+                    f"tensors, give them with GLOBAL shapes to fxshard.jit(example_inputs=...) or sf.lower())"
+                )
         key = self._key(tree, leaves)
         comp = self._cache.get(key)
         if comp is None:
+            self._check_not_global(leaves, tree)
             comp = self._cache[key] = self._compile(leaves, tree)
         self._last = comp
         tensors = [x for x, l in zip(flat, leaves) if l.is_tensor]
         with torch.no_grad():  # a pure program on local tensors: differentiate inside fn, not through it
-            outs = comp.program.gm(*tensors)
+            outs = run_program(comp.program.gm, tensors, f"fxshard.jit({self.__name__})")
         return pytree.tree_unflatten(list(outs), comp.out_tree)
+
+    def _check_not_global(self, leaves: list[_Leaf], tree: Any) -> None:
+        """Raise if a call that matches no traced signature is a traced one with some arguments given at
+        their GLOBAL shape (a jitted function takes local pieces; tracing it again would shard a
+        problem ``n`` times larger along each split dim)."""
+        for comp in self._cache.values():
+            if comp.tree != tree or len(comp.leaves) != len(leaves):
+                continue
+            wrong: list[tuple[_Leaf, _Leaf]] = []
+            for new, old in zip(leaves, comp.leaves):
+                if new.is_tensor != old.is_tensor or (not new.is_tensor and _static_key(new.value) != _static_key(
+                        old.value)) or (new.is_tensor and new.dtype != old.dtype):
+                    break
+                if new.is_tensor and new.local_shape != old.local_shape:
+                    if new.local_shape != old.global_shape:
+                        break
+                    wrong.append((new, old))
+            else:
+                if wrong:
+                    new, old = wrong[0]
+                    others = f" (and {len(wrong) - 1} more argument(s) likewise)" if len(wrong) > 1 else ""
+                    raise ShardingError(
+                        f"fxshard.jit({self.__name__}): argument {new.path} has shape {list(new.local_shape)}, "
+                        f"the GLOBAL shape it was traced for (laid out {fmt_placements(old.pls)} over the mesh "
+                        f"{dict(zip(self._info.names, self._info.sizes))}){others}; a jitted function takes each "
+                        f"rank's LOCAL piece, here of shape {list(old.local_shape)} (e.g. x.chunk(n, dim)[rank]). "
+                        f"To run a genuinely new local size, trace it first: sf.lower(*global_args)"
+                    )
 
 
 def _check_spec_tree(specs: Any, what: str, info: MeshInfo) -> None:
@@ -397,6 +459,12 @@ def jit(fn: Callable, mesh: DeviceMesh, *, in_specs: Any = None, out_specs: Any 
     traced at the first call (global shapes follow from the local ones and
     the specs) or ahead of time from ``example_inputs`` with GLOBAL shapes
     (real or meta tensors: tracing uses fake tensors and allocates nothing).
+    A call that matches a traced signature except that some arguments have
+    the GLOBAL shape it was traced for raises a ShardingError (global pieces
+    passed by mistake); other new signatures trace again. ``fxshard.constrain``
+    calls inside ``fn`` pin placements as they do under ``fxshard.shard``, and
+    a collective that times out (a rank skipped a call) raises a ShardingError
+    naming it.
 
     A training step fits when written functionally, e.g.::
 

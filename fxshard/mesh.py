@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -11,7 +13,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import ShardingError
 
-__all__ = ["init_mesh", "MeshInfo", "default_device_type"]
+__all__ = ["init_mesh", "MeshInfo", "default_device_type", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 def default_device_type() -> str:
@@ -19,19 +23,31 @@ def default_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_mesh(**axes: int) -> DeviceMesh:
+def init_mesh(*, timeout: Optional[Union[float, timedelta]] = None, **axes: int) -> DeviceMesh:
     """A torch DeviceMesh with named axes, e.g. ``init_mesh(dp=2, tp=2)``.
 
     Requires the torchrun environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT) or
     an initialized default process group; the product of the axis sizes must
     equal the world size. Uses NCCL + the rank's own GPU (LOCAL_RANK) when CUDA
     is available, gloo + CPU otherwise.
+
+    ``timeout`` (seconds or a ``timedelta``) bounds how long a collective waits for the
+    other ranks, so a rank that skips or reorders a call makes its peers fail with a
+    ShardingError naming the collective instead of hanging. When init_mesh creates the
+    process group it uses ``timeout`` or ``DEFAULT_TIMEOUT`` (10 minutes) for it and for
+    every mesh axis's group; with an existing process group, a given ``timeout`` is set on
+    the mesh's groups and ``None`` leaves them as they are. (On NCCL a timed-out collective
+    is handled by NCCL's watchdog, which by default ends the process with its own report.)
     """
     if not axes:
         raise ShardingError("init_mesh() got no axes; call it like init_mesh(tp=2) or init_mesh(dp=2, tp=2)")
     for name, size in axes.items():
         if not isinstance(size, int) or size < 1:
             raise ShardingError(f"init_mesh: axis {name!r} has size {size!r}; sizes must be positive ints")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ShardingError(f"init_mesh: timeout={timeout!r}; give seconds (a positive number) or a timedelta")
+        timeout = timedelta(seconds=timeout)
     device_type = default_device_type()
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE") if v not in os.environ]
@@ -43,7 +59,8 @@ def init_mesh(**axes: int) -> DeviceMesh:
             )
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        timeout = timeout or DEFAULT_TIMEOUT
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timeout)
     world = dist.get_world_size()
     total = 1
     for s in axes.values():
@@ -53,7 +70,18 @@ def init_mesh(**axes: int) -> DeviceMesh:
             f"init_mesh{axes}: the axis sizes multiply to {total} but the world has {world} ranks; "
             f"choose sizes whose product is {world}"
         )
-    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes.keys()))
+    mesh = init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes.keys()))
+    if timeout is not None:
+        set_timeout(mesh, timeout)
+    return mesh
+
+
+def set_timeout(mesh: DeviceMesh, timeout: timedelta) -> None:
+    """Give the process group of every axis of ``mesh`` ``timeout`` (torch creates sub-groups with its
+    own default, not the world's)."""
+    if dist.get_backend() != "fake":
+        for i in range(mesh.ndim):
+            dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(i))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -12,13 +12,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
+from .comm_errors import run_program
 from .errors import ShardingError
 from .inputs import InputCheck
 from .mesh import MeshInfo
 from .passes.trace import Traced
 from .placements import Pl, to_torch
+from .replicas import check_replicas, communicates, from_source, holds_sentinel
 
-__all__ = ["ShardedModule", "Program"]
+__all__ = ["ShardedModule", "Program", "Programs", "Training"]
 
 
 @dataclass
@@ -41,14 +43,25 @@ class Training:
     diff_in: list[int]
 
 
+@dataclass
+class Programs:
+    """Everything that runs for one combination of module modes (``training`` of each submodule)."""
+
+    traced: Traced
+    forward: Program
+    training: Optional[Training]
+    input_check: InputCheck
+
+
 class _RunSharded(torch.autograd.Function):
     """Runs the sharded forward program; its backward runs the sharded backward program."""
 
     @staticmethod
-    def forward(ctx, training: Training, *primals: Any) -> Any:  # type: ignore[override]
-        res = training.fwd.gm(*primals)
+    def forward(ctx, training: Training, where: str, *primals: Any) -> Any:  # type: ignore[override]
+        res = run_program(training.fwd.gm, primals, f"the forward of {where}")
         outs, saved = list(res[: training.n_out]), list(res[training.n_out:])
         ctx.training = training
+        ctx.where = where
         ctx.tensor_pos = [i for i, x in enumerate(saved) if isinstance(x, torch.Tensor)]
         ctx.others = [None if isinstance(x, torch.Tensor) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
@@ -70,80 +83,228 @@ class _RunSharded(torch.autograd.Function):
                 shape, dtype, device = ctx.out_meta[i]
                 g = torch.zeros(shape, dtype=dtype, device=device)
             tangents.append(g.contiguous())
-        grads = tr.bwd.gm(*saved, *tangents)
-        n_primals = len(ctx.needs_input_grad) - 1
+        grads = run_program(tr.bwd.gm, (*saved, *tangents), f"the backward of {ctx.where}")
+        n_primals = len(ctx.needs_input_grad) - 2
         res: list[Any] = [None] * n_primals
         for pos, g in zip(tr.diff_in, grads):
             res[pos] = g
-        return (None, *res)
+        return (None, None, *res)
+
+
+class Scope(nn.Module):
+    """Stands in a ShardedModule for one submodule of the original model: it holds that submodule's
+    local parameters and buffers and its train/eval mode (``sm.dropout.eval()`` works as on the model)."""
+
+    def __init__(self, kind: str = "Module") -> None:
+        super().__init__()
+        self._kind = kind
+
+    def _get_name(self) -> str:
+        return self._kind
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise ShardingError(f"the {self._kind} inside a ShardedModule cannot run on its own: fxshard shards the "
+                            f"whole model as one program; call the ShardedModule (or shard this submodule itself)")
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:
     m = root
     for part in path:
         if not hasattr(m, part) or not isinstance(getattr(m, part), nn.Module):
-            m.add_module(part, nn.Module())
+            m.add_module(part, Scope())
         m = getattr(m, part)
     return m
+
+
+def _describe(spec: Any) -> str:
+    """A readable pytree structure (for call-structure errors)."""
+    if spec.is_leaf():
+        return "one value"
+    kind = getattr(spec.type, "__name__", str(spec.type))
+    if spec.type is dict:
+        return f"a dict with keys {list(spec.context)}"
+    if spec.type is type(None):
+        return "None"
+    return f"a {kind} of {spec.num_children} items"
+
+
+def _arg_name(args: tuple, kwargs: dict, pos: int) -> str:
+    """``positional argument 0[1]`` / ``keyword argument 'mask'`` for flattened leaf ``pos`` of ``(args, kwargs)``."""
+    path = pytree.tree_flatten_with_path((tuple(args), kwargs))[0][pos][0]
+    head, first, rest = path[0], path[1], path[2:]
+    base = f"positional argument {first.idx}" if head.idx == 0 else f"keyword argument {first.key!r}"
+    return base + pytree.keystr(rest)
 
 
 class ShardedModule(nn.Module):
     """This rank's part of a sharded model.
 
     Parameters and buffers are the local shards, registered under the
-    original FQNs (tied parameters are one Parameter under each name).
-    ``forward`` takes this rank's local inputs (laid out per ``in_specs``) and
-    returns local outputs (per ``out_specs``, replicated by default).
+    original FQNs (tied parameters are one Parameter under each name), and
+    every submodule of the original model has a stand-in (:class:`Scope`) under
+    its FQN. ``forward`` takes this rank's local inputs (laid out per
+    ``in_specs``) and returns local outputs (per ``out_specs``, replicated by
+    default).
+
+    Modes follow eager: ``sm.train()``, ``sm.eval()`` and a submodule's
+    ``sm.dropout.eval()`` change what the next call computes (dropout,
+    BatchNorm statistics, any ``self.training`` branch). The programs are
+    traced for the modes the model had at ``shard()``; the first call in a
+    combination of modes not seen before traces and shards the model again
+    for it (a collective, so every rank must switch modes together) and
+    caches the programs per combination.
     """
 
-    def __init__(self, traced: Traced, forward: Program, training: Optional[Training], mesh: DeviceMesh, info: MeshInfo,
-                 placements: dict[str, tuple[Pl, ...]], global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
-                 input_check: Optional[InputCheck] = None):
+    def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
+                 global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
+                 modules: Sequence[tuple[str, str, bool, str]] = (), name: str = "model",
+                 reshard: Optional[Callable[[dict[str, bool]], Programs]] = None,
+                 src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
         super().__init__()
-        self._input_check = input_check
-        self._traced = traced
-        self._fwd = forward
-        self._training = training
         self._mesh = mesh
         self._info = info
         self._placements = placements
         self._global_shapes = global_shapes
-        self._slots = traced.slots
-        for slot in traced.slots:
+        self._where = f"ShardedModule({name})"
+        self._reshard = reshard
+        self._src_data_rank = src_data_rank
+        scopes: dict[str, nn.Module] = {"": self}
+        for fqn, kind, training, first in modules:  # pre-order, so parents come first
+            if fqn == "":
+                self.training = training
+                continue
+            *path, leaf = fqn.split(".")
+            if first == fqn:
+                scopes[fqn] = Scope(kind)
+                scopes[fqn].training = training
+            else:  # the same submodule under a second name: one stand-in, one mode
+                scopes[fqn] = scopes[first]
+            scopes[".".join(path)].add_module(leaf, scopes[fqn])
+        self._mode_names = [fqn for fqn, _, _, first in modules if fqn == first] or [""]
+        self._mode_scopes = [scopes[n] for n in self._mode_names]
+        for slot in programs.traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue
             t = tensors[slot.names[0]]
-            for name in slot.names:
-                *path, leaf = name.split(".")
+            for fqn in slot.names:
+                *path, leaf = fqn.split(".")
                 owner = _container(self, path)
                 if slot.kind == "param":
                     owner.register_parameter(leaf, t)
                 else:
                     owner.register_buffer(leaf, t, persistent=slot.persistent)
+        self._current = programs
+        self._by_mode: dict[tuple[bool, ...], Programs] = {self._mode_key(): programs}
+        self._unfilled: Optional[dict[str, tuple[int, int]]] = None
+        if unfilled:
+            self._unfilled = {n: (id(self._lookup(n)), self._lookup(n)._version) for n in unfilled}
+
+    # ---- the programs of the current modes ---------------------------------------------------
+    @property
+    def _traced(self) -> Traced:
+        return self._current.traced
+
+    @property
+    def _fwd(self) -> Program:
+        return self._current.forward
+
+    @property
+    def _training(self) -> Optional[Training]:
+        return self._current.training
+
+    @property
+    def _slots(self) -> list:
+        return self._current.traced.slots
+
+    def _mode_key(self) -> tuple[bool, ...]:
+        return tuple(m.training for m in self._mode_scopes)
+
+    def _for_mode(self) -> Programs:
+        """The programs for the modules' current modes, sharded on first use (see class doc)."""
+        key = self._mode_key()
+        progs = self._by_mode.get(key)
+        if progs is None:
+            if self._reshard is None:  # modes fixed by the caller (fxshard.backend: TorchDynamo re-captures)
+                return self._current
+            with torch.enable_grad(), torch.random.fork_rng(devices=[]):  # tracing leaves the RNG as it was
+                progs = self._reshard(dict(zip(self._mode_names, key)))
+            self._by_mode[key] = progs
+        if progs is not self._current:  # no attribute write on the common path (torch.compile traces this)
+            self._current = progs
+        return progs
 
     def _programs(self) -> list[Program]:
-        """Training forward/backward when the module trains, else the inference forward."""
-        if self._training is not None:
-            return [self._training.fwd, self._training.bwd]
-        return [self._fwd]
+        """Training forward/backward when the module trains, else the inference forward: those of the
+        current modes when they were sharded already, else those that ran last."""
+        progs = self._by_mode.get(self._mode_key(), self._current)
+        if progs.training is not None:
+            return [progs.training.fwd, progs.training.bwd]
+        return [progs.forward]
 
     # ---- running -------------------------------------------------------------------------
-    def _feed(self, args: tuple, kwargs: dict) -> list[Any]:
-        flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        if tree != self._traced.in_tree:
+    def _check_filled(self) -> None:
+        """Raise if a parameter/buffer created on meta was never written (see ``_unfilled``)."""
+        if self._unfilled is None:
+            return
+        empty = [n for n, (ident, version) in self._unfilled.items()
+                 if id(t := self._lookup(n)) == ident and t._version == version and holds_sentinel(t)]
+        if empty:
+            more = f" and {len(empty) - 8} more" if len(empty) > 8 else ""
             raise ShardingError(
-                f"inputs have structure {tree} but the module was sharded for {self._traced.in_tree}; "
-                f"call it with the same argument structure as example_inputs"
+                f"{self._where} was called before {len(empty)} of its {len(self._unfilled)} parameters/buffers "
+                f"were filled: {', '.join(empty[:8])}{more} came from a model built on the meta device and were "
+                f"never initialized or loaded, so they hold no values. Fill them first: sm.init_parameters(fn), "
+                f"sm.load_full_state_dict(path_or_state_dict), dcp.load(sm.sharded_state_dict(), ...), or "
+                f"in-place writes to sm's tensors (with torch.no_grad(): p.copy_(...), nn.init.*_(p))"
             )
-        leaves = [flat[i] for i in self._traced.tensor_leaf_positions]
-        if self._input_check is not None:
-            self._input_check.check([leaves[s.index] for s in self._slots if s.kind == "input"])
+        self._unfilled = None
+
+    def _mark_filled(self, names: Any) -> None:
+        if self._unfilled is not None:
+            for n in names:
+                self._unfilled.pop(n, None)
+
+    def _call_error(self, progs: Programs, args: tuple, kwargs: dict) -> ShardingError:
+        """Why ``(args, kwargs)`` does not have the structure the module was sharded for."""
+        want_args, want_kw = progs.traced.in_tree.children()
+        n_want, kw_want = want_args.num_children, list(want_kw.context)
+        if len(args) != n_want or sorted(kwargs) != sorted(kw_want):
+            return ShardingError(
+                f"{self._where} was called with {len(args)} positional argument(s) and keyword arguments "
+                f"{sorted(kwargs)}, but it was sharded for {n_want} positional argument(s) and keyword arguments "
+                f"{sorted(kw_want)} (example_inputs/example_kwargs); call it with the arguments forward was "
+                f"sharded with (shard again with other example inputs to change them)"
+            )
+        pairs = [(f"positional argument {i}", a, want_args.child(i)) for i, a in enumerate(args)]
+        pairs += [(f"keyword argument {k!r}", kwargs[k], want_kw.child(j)) for j, k in enumerate(kw_want)]
+        for what, value, spec in pairs:
+            got = pytree.tree_structure(value)
+            if got != spec:
+                return ShardingError(f"{self._where}: {what} is {_describe(got)}, but the example was "
+                                     f"{_describe(spec)}; pass a value of the example's structure")
+        return ShardingError(f"{self._where}: the arguments do not have the structure of the example inputs; "
+                             f"call it like example_inputs/example_kwargs")
+
+    def _feed(self, progs: Programs, args: tuple, kwargs: dict) -> list[Any]:
+        traced = progs.traced
+        kw_want = list(traced.in_tree.child(1).context)
+        if set(kwargs) == set(kw_want):
+            kwargs = {k: kwargs[k] for k in kw_want}  # keyword order does not matter
+        flat, tree = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if tree != traced.in_tree:
+            raise self._call_error(progs, args, kwargs)
+        for pos in traced.tensor_leaf_positions:
+            if not isinstance(flat[pos], torch.Tensor):
+                raise ShardingError(f"{self._where}: {_arg_name(args, kwargs, pos)} is a {type(flat[pos]).__name__}, "
+                                    f"but the example was a tensor; pass a tensor there")
+        leaves = [flat[i] for i in traced.tensor_leaf_positions]
+        progs.input_check.check([leaves[s.index] for s in traced.slots if s.kind == "input"])
         feed: list[Any] = []
-        for slot in self._slots:
+        for slot in traced.slots:
             if slot.kind in ("param", "buffer"):
                 feed.append(self._lookup(slot.names[0]))
             elif slot.kind == "constant":
-                feed.append(self._traced.constants[slot.names[0]])
+                feed.append(traced.constants[slot.names[0]])
             else:
                 feed.append(leaves[slot.index])
         return feed
@@ -156,26 +317,28 @@ class ShardedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Local outputs for local inputs; differentiable when grad mode is on (see class doc)."""
-        feed = self._feed(args, kwargs)
-        tr = self._training
+        progs = self._for_mode()
+        self._check_filled()
+        feed = self._feed(progs, args, kwargs)
+        tr = progs.training
         if tr is not None and torch.is_grad_enabled() and any(
             isinstance(feed[i], torch.Tensor) and feed[i].requires_grad for i in tr.diff_in
         ):
-            for i, (slot, x) in enumerate(zip(self._slots, feed)):
+            for i, (slot, x) in enumerate(zip(progs.traced.slots, feed)):
                 if slot.kind == "input" and isinstance(x, torch.Tensor) and x.requires_grad and i not in tr.diff_in:
                     raise ShardingError(
                         f"input {slot.index} requires grad but the example input did not; pass an example input "
                         f"with requires_grad=True to shard() to get its gradient"
                     )
-            outs = _RunSharded.apply(tr, *feed)
+            outs = _RunSharded.apply(tr, self._where, *feed)
         else:
-            outs = self._fwd.gm(*feed)
-        n_mut = len(self._traced.mutations)
-        if n_mut:
+            outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")
+        mutations = progs.traced.mutations
+        if mutations:
             with torch.no_grad():  # buffers the forward updates (e.g. BatchNorm running statistics)
-                for name, new in zip(self._traced.mutations, outs[:n_mut]):
+                for name, new in zip(mutations, outs[: len(mutations)]):
                     self._lookup(name).copy_(new)
-        return pytree.tree_unflatten(list(outs[n_mut:]), self._traced.out_tree)
+        return pytree.tree_unflatten(list(outs[len(mutations):]), progs.traced.out_tree)
 
     # ---- state ---------------------------------------------------------------------------
     def _dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
@@ -183,23 +346,39 @@ class ShardedModule(nn.Module):
         shape = torch.Size(int(s) for s in self._global_shapes[fqn])
         return DTensor.from_local(local, self._mesh, pls, shape=shape, stride=_contiguous_stride(shape))
 
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer (non-persistent ones too), once per tensor."""
+        return {**dict(self.named_parameters()), **dict(self.named_buffers())}
+
     def init_parameters(self, init: Any) -> None:
-        """Fill every parameter and buffer from ``init(fqn, full_tensor)``, which writes the full
-        (global-shape, CPU) tensor in place; this rank keeps its slice.
+        """Fill every parameter and buffer (non-persistent buffers too) from ``init(fqn, full_tensor)``,
+        which writes the full (global-shape, CPU) tensor in place; this rank keeps its slice.
 
         One tensor is materialized at a time, so peak memory is bounded by the largest single
-        parameter. With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))`` then
-        ``nn.init.normal_``), every rank and the unsharded model get the same values.
+        parameter. Like ``shard()``, values come from rank ``src_data_rank`` (default 0): each full
+        tensor is broadcast from it, so even an unseeded ``init`` gives every rank consistent values
+        (with ``src_data_rank=None`` each rank keeps its own, and replicated values that differ raise a
+        ShardingError). With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))``
+        then ``nn.init.normal_``), the result also equals the unsharded model's init.
         """
         from .checkpoint import rank_slices
 
+        src = self._src_data_rank if communicates(self._mesh) else None
+        own = self._named_tensors()
         with torch.no_grad():
-            for name, local in self.state_dict(keep_vars=True).items():
+            for name, local in own.items():
                 shape = tuple(int(s) for s in self._global_shapes[name])
                 full = torch.empty(shape, dtype=local.dtype, device="cpu")
                 init(name, full)
+                if src is not None:
+                    full = from_source(full, src, self._mesh, local.device, writable=True)
                 local.copy_(full[rank_slices(shape, self._placements[name], self._info)])
                 del full
+        self._mark_filled(own)
+        if self._src_data_rank is None:
+            check_replicas(own, self._placements, self._mesh,
+                           "init_parameters(fn) with src_data_rank=None keeps each rank's values: seed fn per "
+                           "tensor, or shard with src_data_rank=0 to take rank 0's values")
 
     def sharded_state_dict(self) -> dict[str, DTensor]:
         """The state dict with every entry a DTensor over the mesh (no communication).
@@ -220,7 +399,16 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for name, local in own.items():
                 v = state_dict[name]
-                local.copy_(v.to_local() if isinstance(v, DTensor) else v)
+                piece = v.to_local() if isinstance(v, DTensor) else v
+                if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != tuple(local.shape):
+                    got = tuple(piece.shape) if isinstance(piece, torch.Tensor) else type(piece).__name__
+                    raise ShardingError(
+                        f"load_sharded_state_dict: {name} is {got} on this rank, but its local shard is "
+                        f"{tuple(local.shape)}; pass sm.sharded_state_dict() after loading into it (dcp.load), "
+                        f"or use load_full_state_dict for full tensors"
+                    )
+                local.copy_(piece)
+        self._mark_filled(own)
 
     def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors under exactly the original ``model.state_dict()`` keys (a collective: call on all ranks).
@@ -260,6 +448,7 @@ class ShardedModule(nn.Module):
                 shape = tuple(int(s) for s in self._global_shapes[name])
                 piece = reader.read(name, rank_slices(shape, self._placements[name], self._info), shape)
                 local.copy_(piece)
+        self._mark_filled(own)
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     stride, acc = [], 1

@@ -24,16 +24,20 @@ def test_init_mesh_binds_local_rank_gpu_and_nccl(monkeypatch):
 
     def fake_init(backend, **kw):
         calls["backend"] = backend
+        calls["timeout"] = kw.get("timeout")
         state["init"] = True
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 4)
     monkeypatch.setattr(mesh_mod, "init_device_mesh",
                         lambda dev, shape, mesh_dim_names: calls.setdefault("mesh", (dev, shape, mesh_dim_names)))
+    monkeypatch.setattr(mesh_mod, "set_timeout", lambda mesh, t: calls.setdefault("group_timeout", t))
     fxshard.init_mesh(dp=2, tp=2)
     assert calls["set_device"] == 3  # this rank's own GPU, never cuda:0 for everyone (seed 000)
     assert calls["backend"] == "nccl"
     assert calls["mesh"] == ("cuda", (2, 2), ("dp", "tp"))
+    # a collective waits at most DEFAULT_TIMEOUT for its peers, on the world and on every mesh axis's group
+    assert calls["timeout"] == calls["group_timeout"] == mesh_mod.DEFAULT_TIMEOUT
 
 
 def test_runtime_device_is_the_current_gpu(monkeypatch):

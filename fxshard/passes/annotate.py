@@ -24,7 +24,29 @@ from ..plan import check_divisible, constraint_placements, is_spec_leaf, to_plac
 from ..symbolic import sym_shape
 from .trace import Traced, source_line
 
-__all__ = ["annotate", "spec_leaves", "check_divisible"]
+__all__ = ["annotate", "spec_leaves", "check_divisible", "constraint_table", "Leaf"]
+
+
+class Leaf:
+    """Stands for one value in a structure that specs are matched against (its text names it in errors)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _value_text(v: Any) -> str:
+    if isinstance(v, Leaf):
+        return v.text
+    if isinstance(v, torch.Tensor):
+        return f"a tensor of shape {list(v.shape)}"
+    if isinstance(v, (tuple, list)):
+        return f"a {type(v).__name__} of {len(v)} values"
+    if isinstance(v, dict):
+        return f"a dict with keys {list(v)}"
+    return f"a {type(v).__name__}"
 
 
 def spec_leaves(specs: Any, values: Any, what: str) -> list[Any]:
@@ -34,7 +56,7 @@ def spec_leaves(specs: Any, values: Any, what: str) -> list[Any]:
     if isinstance(values, (tuple, list)) and isinstance(specs, (tuple, list)):
         if len(specs) != len(values):
             raise ShardingError(
-                f"{what}: {len(specs)} specs given for {len(values)} values; give one spec (or None) per value"
+                f"{what}: {len(specs)} specs given for {_value_text(values)}; give one spec (or None) per value"
             )
         return [s for sp, v in zip(specs, values) for s in spec_leaves(sp, v, what)]
     if isinstance(values, dict) and isinstance(specs, dict):
@@ -42,9 +64,11 @@ def spec_leaves(specs: Any, values: Any, what: str) -> list[Any]:
         if extra:
             raise ShardingError(f"{what}: specs for unknown keys {sorted(extra)}; the keys are {sorted(values)}")
         return [s for k, v in values.items() for s in spec_leaves(specs.get(k), v, what)]
+    kind = "tuple/list" if isinstance(specs, (tuple, list)) else "dict" if isinstance(specs, dict) else ""
+    shape = f"a {kind} of specs describes a {kind} of values" if kind else f"{specs!r} is not a spec"
     raise ShardingError(
-        f"{what}: spec {specs!r} does not match a value of type {type(values).__name__}; give a spec per tensor "
-        f"(P(...), placements) or a tuple/dict shaped like the values"
+        f"{what}: spec {specs!r} does not fit {_value_text(values)}: {shape}; give one spec (P(...), placements or "
+        f"None) for each tensor, or a tuple/list/dict of specs shaped like the values"
     )
 
 
@@ -81,9 +105,16 @@ def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]
             pls = (R,) * len(mesh.sizes)
         ctx.seeds[node.name] = pls
     ctx.out_required = list(out_required)
-    for node in traced.gm.graph.nodes:
+    ctx.constraints = constraint_table(traced.gm, mesh)
+    return ctx
+
+
+def constraint_table(gm: Any, mesh: MeshInfo) -> dict[str, tuple[Optional[Pl], ...]]:
+    """The placements each ``fxshard::constrain`` node of ``gm`` pins, by its key (``ShardContext.constraints``)."""
+    table = {}
+    for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is CONSTRAIN_OP:
             key = node.args[1]
-            ctx.constraints[key] = constraint_placements(
+            table[key] = constraint_placements(
                 constraint_spec(key), mesh, node.meta["val"].dim(), f"constraint at {source_line(node) or node.name}")
-    return ctx
+    return table

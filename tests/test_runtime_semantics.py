@@ -1,0 +1,473 @@
+"""Runtime semantics that must match eager or fail loudly, never silently differ.
+
+* modes: ``sm.train()``/``sm.eval()`` and a submodule's mode are followed (dropout, BatchNorm), in
+  both directions, against the unsharded model (2 gloo ranks);
+* values: parameters and buffers come from ``src_data_rank`` (rank 0) like torch's ParallelStyles,
+  also through ``init_parameters`` and on a 2x2 mesh, and with ``src_data_rank=None`` replicated
+  values that differ raise (2 and 4 gloo ranks, unseeded models);
+* unfilled: a meta-built model that was never filled raises at its first call; legitimate fills
+  (in-place writes, ``.data``, DCP) do not (2 gloo ranks);
+* ``fxshard.jit``: global-shaped arguments raise; ``fxshard.constrain`` inside jit inserts the same
+  collectives as under ``shard()`` (fake process group) with the right numbers (2 gloo ranks);
+* timeouts: a rank that skips a forward or a backward makes its peer raise a ShardingError naming
+  the program and the collective (2 gloo ranks, short timeout);
+* call-time and spec errors name what was given and how to fix it (fake process group).
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call, grad_and_value
+
+import fxshard
+from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
+from tests import models
+from tests.dist_utils import run_ranks
+
+TOL = 1e-5
+TOY_PLAN = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+
+
+def x8(seed: int = 0) -> torch.Tensor:
+    return torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- call-time errors (fake group)
+
+
+class _Kw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * mask + bias
+
+
+def test_call_errors_name_the_argument_and_the_fix(mesh2):
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(x8(),))
+    with pytest.raises(ShardingError, match=r"input 0 has dtype torch.float64, but the module was sharded for "
+                                            r"torch.float32 .*cast the input \(x.to\(torch.float32\)\)"):
+        sm(x8().double())
+    with pytest.raises(ShardingError, match=r"input 0 is a meta tensor: it has a shape but no data.*pass real tensors"):
+        sm(x8().to("meta"))
+    with pytest.raises(ShardingError, match=r"ShardedModule\(ToyModel\) was called with 2 positional argument\(s\) "
+                                            r"and keyword arguments \[\], but it was sharded for 1 positional"):
+        sm(x8(), x8())
+    with pytest.raises(ShardingError, match=r"keyword arguments \['y'\], but it was sharded for 1 positional "
+                                            r"argument\(s\) and keyword arguments \[\]"):
+        sm(x8(), y=x8())
+    with pytest.raises(ShardingError, match=r"positional argument 0 is a float, but the example was a tensor"):
+        sm(3.0)
+    with pytest.raises(ShardingError, match=r"positional argument 0 is a tuple of 2 items, but the example was one "
+                                            r"value"):
+        sm((x8(), x8()))
+
+
+def test_keyword_order_does_not_matter(mesh2):
+    model = _Kw().requires_grad_(False)
+    x, mask, bias = x8(), (x8(1) > 0).float(), x8(2)
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,), example_kwargs={"mask": mask, "bias": bias})
+    # the same call with keywords in another order (replicated plan: the fake group's no-op collectives are exact)
+    torch.testing.assert_close(sm(x, bias=bias, mask=mask), model(x, mask=mask, bias=bias))
+    with pytest.raises(ShardingError, match=r"keyword arguments \['mask'\], but it was sharded for 1 positional "
+                                            r"argument\(s\) and keyword arguments \['bias', 'mask'\]"):
+        sm(x, mask=mask)
+
+
+def test_out_specs_structure_error_describes_the_output(mesh2):
+    with pytest.raises(ShardingError, match=r"out_specs: spec \(P\('tp'\), P\('tp'\)\) does not fit output 0 \(a tensor "
+                                            r"of shape \[8, 16\]\): a tuple/list of specs describes a tuple/list"):
+        fxshard.shard(models.ToyModel(16, 32), mesh2, {}, example_inputs=(x8(),), out_specs=(P("tp"), P("tp")))
+    with pytest.raises(ShardingError, match=r"in_specs: 2 specs given for a tuple of 1 values"):
+        fxshard.shard(models.ToyModel(16, 32), mesh2, {}, example_inputs=(x8(),), in_specs=(P("tp"), P("tp")))
+
+
+def test_load_sharded_state_dict_of_the_wrong_shape(mesh2):
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(x8(),))
+    full = models.ToyModel(16, 32).state_dict()
+    with pytest.raises(ShardingError, match=r"load_sharded_state_dict: net1.weight is \(32, 16\) on this rank, but "
+                                            r"its local shard is \(16, 16\); pass sm.sharded_state_dict\(\)"):
+        sm.load_sharded_state_dict(full)
+
+
+def test_bad_src_data_rank_and_timeout(mesh2):
+    with pytest.raises(ShardingError, match=r"src_data_rank=2 is not a coordinate on every axis of the mesh"):
+        fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(x8(),), src_data_rank=2)
+    with pytest.raises(ShardingError, match=r"init_mesh: timeout=-1; give seconds"):
+        fxshard.init_mesh(tp=2, timeout=-1)
+
+
+# ----------------------------------------------------------------------------- modes (fake group)
+
+
+class ModeNet(nn.Module):
+    """Dropout, BatchNorm and a ``self.training`` branch: everything that reads a module's mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.net1, self.bn, self.net2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 16)
+        self.drop1, self.drop2 = nn.Dropout(0.5), nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop1(torch.relu(self.bn(self.net1(x))))
+        return self.drop2(self.net2(h))
+
+
+def _random_ops(sm) -> int:
+    return sum(1 for p in sm._programs() for n in p.gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)
+               and torch.Tag.nondeterministic_seeded in n.target.tags)
+
+
+def test_mode_changes_reshard_once_per_combination(mesh2):
+    sm = fxshard.shard(ModeNet(), mesh2, {}, example_inputs=(x8(),))
+    assert isinstance(sm.drop1, nn.Module) and type(sm.bn).__name__ != "BatchNorm1d" and "BatchNorm1d" in repr(sm)
+    assert _random_ops(sm) > 0
+    sm.eval()
+    sm(x8())
+    assert _random_ops(sm) == 0 and len(sm._by_mode) == 2
+    assert sm._traced.mutations == []  # eval BatchNorm leaves its running statistics alone
+    sm.train()
+    sm(x8())
+    assert _random_ops(sm) > 0 and len(sm._by_mode) == 2  # cached: no third program
+    sm.drop1.eval()
+    sm(x8())
+    assert len(sm._by_mode) == 3
+    with pytest.raises(ShardingError, match=r"the Dropout inside a ShardedModule cannot run on its own"):
+        sm.drop1(x8())
+
+
+# ----------------------------------------------------------------------------- fxshard.jit (fake group)
+
+
+def _matmul_gathered(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return fxshard.constrain(x @ w, P(None, None))
+
+
+class _MatmulGathered(nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _matmul_gathered(x, self.w)
+
+
+def test_constrain_inside_jit_inserts_what_shard_does(mesh2):
+    x, w = x8(), torch.randn(16, 8)
+    sm = fxshard.shard(_MatmulGathered(w).requires_grad_(False), mesh2, {}, example_inputs=(x,),
+                       in_specs=(P("tp", None),), out_specs=P("tp", None))
+    sf = fxshard.jit(_matmul_gathered, mesh2, in_specs=(P("tp", None), None), out_specs=P("tp", None),
+                     example_inputs=(x, w))
+    want = {"forward": {"all_gather": {"count": 1, "bytes": 8 * 8 * 4}}, "backward": {}}
+    assert fxshard.comm_stats(sm) == want
+    assert fxshard.comm_stats(sf) == want
+
+
+def test_jit_rejects_global_shaped_arguments(mesh2):
+    def scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x @ w) * 2
+
+    x, w = x8(), torch.randn(16, 8)
+    sf = fxshard.jit(scaled, mesh2, in_specs=(P("tp", None), None), out_specs=P("tp", None))
+    sf(x.chunk(2)[0], w)  # local pieces: traced for global [8, 16]
+    with pytest.raises(ShardingError, match=r"argument x has shape \[8, 16\], the GLOBAL shape it was traced for "
+                                            r"\(laid out S\(0\) over the mesh \{'tp': 2\}\); a jitted function takes "
+                                            r"each rank's LOCAL piece, here of shape \[4, 16\]"):
+        sf(x, w)
+    assert len(sf._cache) == 1
+    with pytest.raises(ShardingError, match=r"argument x is a meta tensor: it has a shape but no data"):
+        sf(x.chunk(2)[0].to("meta"), w)
+    sf.lower(torch.randn(16, 16), w)  # a genuinely new local size [8, 16], traced on purpose: then it runs
+    assert sf(x, w).shape == (8, 8) and len(sf._cache) == 2
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks: numerics
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach() - b.detach()).abs().max().item()
+
+
+def _modes(rank: int, world: int, mesh) -> dict:
+    """ModeNet data parallel (batch split, statistics global): every mode switch against eager."""
+    x = x8()
+    local = x.chunk(world)[rank]
+    out: dict = {}
+
+    def step(name: str, ref: nn.Module, sm: nn.Module, seed: int) -> None:
+        for m in (ref, sm):
+            m.zero_grad()
+        torch.manual_seed(seed)
+        r = ref(x)
+        r.square().sum().backward()
+        torch.manual_seed(seed)
+        s = sm(local)
+        s.square().sum().backward()  # local loss pieces: the backward all-reduces the replicated gradients
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        out[name] = max([_err(s, r.chunk(world)[rank])] + [_err(p.grad, grads[n]) for n, p in sm.named_parameters()])
+
+    ref = ModeNet()
+    sm = fxshard.shard(copy.deepcopy(ref), mesh, {}, example_inputs=(x,), in_specs=(P("tp", None),),
+                       out_specs=P("tp", None))
+    step("train", ref, sm, 1)
+    ref.eval(), sm.eval()
+    step("eval", ref, sm, 2)
+    ref.train(), sm.train()
+    step("train_again", ref, sm, 3)
+    ref.drop1.eval(), sm.drop1.eval()  # one submodule only: drop2 and BatchNorm still train
+    step("drop1_eval", ref, sm, 4)
+    ref.bn.eval(), sm.bn.eval()
+    step("bn_eval_too", ref, sm, 5)
+    full = sm.full_state_dict()
+    out["state"] = max(_err(full[k].float(), v.float()) for k, v in ref.state_dict().items())
+
+    ref = ModeNet().eval()  # sharded in eval mode, then trained
+    sm = fxshard.shard(copy.deepcopy(ref), mesh, {}, example_inputs=(x,), in_specs=(P("tp", None),),
+                       out_specs=P("tp", None))
+    step("sharded_in_eval", ref, sm, 6)
+    ref.train(), sm.train()
+    step("then_train", ref, sm, 7)
+    full = sm.full_state_dict()
+    out["state_after_eval_then_train"] = max(_err(full[k].float(), v.float()) for k, v in ref.state_dict().items())
+    return out
+
+
+def _unseeded(rank: int) -> nn.Module:
+    torch.manual_seed(100 + rank)  # a different model on every rank, as an unseeded init gives
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+SEQ_PLAN = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def _values(rank: int, world: int, mesh) -> dict:
+    x = x8()
+    model = _unseeded(rank)
+    out: dict = {"model": model.state_dict(), "model_out": model(x).detach()}
+    sm = fxshard.shard(copy.deepcopy(model), mesh, SEQ_PLAN, example_inputs=(x,))
+    out["full"], out["out"] = sm.full_state_dict(), sm(x).detach()
+    try:
+        fxshard.shard(copy.deepcopy(model), mesh, SEQ_PLAN, example_inputs=(x,), src_data_rank=None)
+        out["kept_error"] = None
+    except ShardingError as e:
+        out["kept_error"] = str(e)
+    same = models.ToyModel(16, 32)  # seeded: the same everywhere, so keeping local values is fine
+    sm = fxshard.shard(same, mesh, TOY_PLAN, example_inputs=(x,), src_data_rank=None)
+    out["kept_same_err"] = _err(sm(x), same(x))
+
+    torch.manual_seed(200 + rank)  # an unseeded init_parameters on a meta-built model
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    sm = fxshard.shard(meta, mesh, SEQ_PLAN, example_inputs=(x,))
+    sm.init_parameters(lambda name, t: t.normal_())
+    out["init_full"] = sm.full_state_dict()
+    out["init_out"] = sm(x).detach()
+    return out
+
+
+def _unfilled(rank: int, world: int, mesh, path: str) -> dict:
+    x = x8()
+    ref = models.ToyModel(16, 32)
+    src = fxshard.shard(copy.deepcopy(ref), mesh, TOY_PLAN, example_inputs=(x,))
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(src.sharded_state_dict(), checkpoint_id=path)
+    out: dict = {}
+    with torch.device("meta"):
+        meta = models.ToyModel(16, 32)
+    sm = fxshard.shard(meta, mesh, TOY_PLAN, example_inputs=(x,))
+    errors = []
+    for _ in range(2):
+        try:
+            sm(x)
+        except ShardingError as e:
+            errors.append(str(e))
+        with torch.no_grad():
+            if len(errors) == 1:  # fill three of four the ways users do: copy_, nn.init, a write through .data
+                sm.net1.weight.copy_(src.net1.weight)
+                nn.init.constant_(sm.net1.bias, 0.5)
+                sm.net2.weight.data.copy_(src.net2.weight.data)
+    out["errors"] = errors
+    with torch.no_grad():
+        sm.net2.bias.data = src.net2.bias.detach().clone()  # replaced storage: no version bump, still a fill
+        ref.net1.bias.fill_(0.5)
+    out["filled_err"] = _err(sm(x), ref(x))
+
+    with torch.device("meta"):
+        meta = models.ToyModel(16, 32)
+    sm = fxshard.shard(meta, mesh, TOY_PLAN, example_inputs=(x,))
+    dcp.load(sm.sharded_state_dict(), checkpoint_id=path)  # in place into sm's shards: no further call needed
+    out["dcp_err"] = _err(sm(x), src(x))
+    return out
+
+
+def _jit_constrain(rank: int, world: int, mesh) -> dict:
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(16, 8, generator=g)
+
+    def loss_fn(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return _matmul_gathered(x, w).softmax(0).square().mean()
+
+    def step(w: torch.Tensor, x: torch.Tensor) -> tuple:
+        grad, loss = grad_and_value(loss_fn)(w, x)
+        return loss, grad
+
+    sf = fxshard.jit(step, mesh, in_specs=(None, P("tp", None)), out_specs=(None, None))
+    loss, grad = sf(w, x.chunk(world)[rank])
+    ref_loss, ref_grad = step(w, x)
+    why = [(c["kind"], c["op"]) for c in fxshard.inspect.collectives(sf._programs()[0])]
+    return {"loss_err": _err(loss, ref_loss), "grad_err": _err(grad, ref_grad), "collectives": why}
+
+
+def _semantics(rank: int, world: int, path: str) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    return {"modes": _modes(rank, world, mesh), "values": _values(rank, world, mesh),
+            "unfilled": _unfilled(rank, world, mesh, path), "jit": _jit_constrain(rank, world, mesh)}
+
+
+@pytest.fixture(scope="module")
+def semantics() -> list[dict]:
+    with tempfile.TemporaryDirectory() as path:
+        return run_ranks(_semantics, 2, path, timeout=400)
+
+
+def test_modes_follow_the_module_in_both_directions(semantics):
+    for res in semantics:
+        modes = res["modes"]
+        for step in ("train", "eval", "train_again", "drop1_eval", "bn_eval_too", "sharded_in_eval", "then_train",
+                     "state", "state_after_eval_then_train"):
+            assert modes[step] <= TOL, (step, modes)
+
+
+def test_values_come_from_rank_0_by_default(semantics):
+    rank0 = semantics[0]["values"]
+    for res in semantics:
+        v = res["values"]
+        # the full model is rank 0's, on every rank, and so is every output
+        assert max(_err(v["full"][k], rank0["model"][k]) for k in rank0["model"]) == 0.0
+        assert _err(v["out"], rank0["model_out"]) <= TOL
+        # an unseeded init_parameters gives every rank rank 0's draws: full tensors agree and the model runs them
+        assert max(_err(v["init_full"][k], rank0["init_full"][k]) for k in rank0["init_full"]) == 0.0
+        ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        ref.load_state_dict(rank0["init_full"])
+        assert _err(v["init_out"], ref(x8())) <= TOL
+        assert v["kept_same_err"] <= TOL
+    assert _err(semantics[1]["values"]["model"]["2.bias"], rank0["model"]["2.bias"]) > 0  # the ranks did differ
+
+
+def test_src_data_rank_none_names_replicated_values_that_differ(semantics):
+    for res in semantics:
+        msg = res["values"]["kept_error"]
+        assert msg is not None and "replicated values differ between ranks: 2.bias (rank" in msg, msg
+        assert "replicated on mesh axis 'tp'" in msg and "src_data_rank=0" in msg, msg
+        assert "0.weight" not in msg and "0.bias" not in msg and "2.weight" not in msg, msg  # split: may differ
+
+
+def test_unfilled_meta_parameters_raise_until_written(semantics):
+    for res in semantics:
+        first, second = res["unfilled"]["errors"]
+        assert "before 4 of its 4 parameters/buffers were filled: net1.weight, net1.bias, net2.weight, net2.bias" \
+            in first and "sm.init_parameters(fn)" in first, first
+        assert "before 1 of its 4 parameters/buffers were filled: net2.bias came from a model built on the meta" \
+            in second, second
+        assert res["unfilled"]["filled_err"] <= TOL and res["unfilled"]["dcp_err"] <= TOL
+
+
+def test_constrain_inside_jit_numerics(semantics):
+    for res in semantics:
+        j = res["jit"]
+        assert j["loss_err"] <= TOL and j["grad_err"] <= TOL, j
+        assert j["collectives"].count(("all_gather", "constraint")) == 1, j  # the constraint's gather of x @ w
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks: a rank skips a call
+
+
+def _skipped_calls(rank: int, world: int) -> dict:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = fxshard.init_mesh(tp=world)
+    x = x8()
+    tp = fxshard.shard(models.ToyModel(16, 32), mesh, TOY_PLAN, example_inputs=(x,))  # all_reduce in forward
+    # data parallel on a second group (its own collective sequence): gradient all_reduces in backward
+    group_b = dist.new_group(timeout=timedelta(seconds=60))
+    mesh_b = DeviceMesh.from_group(group_b, "cpu", mesh_dim_names=("tp",))
+    dp = fxshard.shard(models.ToyModel(16, 32), mesh_b, {}, example_inputs=(x,), in_specs=(P("tp", None),))
+    fxshard.init_mesh(tp=world, timeout=3)  # from here on a collective of the world group waits 3 s for its peers
+    store = dist.distributed_c10d._get_default_store()
+    out: dict = {}
+    local = x.chunk(world)[rank]
+    if rank == 0:
+        try:
+            tp(x)  # rank 1 skips this call
+            out["forward"] = None
+        except ShardingError as e:
+            out["forward"] = str(e)
+        store.set("forward_done", "1")
+        y = dp(local)  # both ranks run this forward
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=3), group_b)
+        try:
+            y.sum().backward()  # rank 1 skips the backward
+            out["backward"] = None
+        except ShardingError as e:
+            out["backward"] = str(e)
+        store.set("backward_done", "1")
+    else:
+        store.wait(["forward_done"], timedelta(seconds=120))
+        dp(local)
+        store.wait(["backward_done"], timedelta(seconds=120))
+    return out
+
+
+def test_a_rank_that_skips_a_call_makes_its_peer_raise_not_hang():
+    res = run_ranks(_skipped_calls, 2)[0]
+    fwd, bwd = res["forward"], res["backward"]
+    assert fwd is not None and fwd.startswith("the forward of ShardedModule(ToyModel): the all_reduce over mesh axis "
+                                              "'tp' (P(sum) -> R of "), fwd
+    assert bwd is not None and bwd.startswith("the backward of ShardedModule(ToyModel): the all_reduce over mesh "
+                                              "axis 'tp'"), bwd
+    for msg in (fwd, bwd):
+        assert "Timed out" in msg and "a rank skipped or reordered a call" in msg and "init_mesh(timeout=" in msg
+
+
+class _Buffers(nn.Module):
+    """Unseeded parameters and buffers of several dtypes, laid out every way a 2x2 mesh allows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)  # weight split on tp, replicated on dp; bias replicated on both axes
+        self.table = nn.Parameter(torch.randn(8, 4))  # split over both axes
+        self.register_buffer("mask", torch.rand(8) > 0.5)
+        self.register_buffer("count", torch.randint(0, 1000, (4,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * self.mask).sum() + self.table.sum() + self.count.sum()
+
+
+def _values_2x2(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(dp=2, tp=2)
+    torch.manual_seed(300 + rank)
+    model = _Buffers()
+    sm = fxshard.shard(copy.deepcopy(model), mesh, {"lin.weight": P("tp", None), "table": P(("dp", "tp"), None)},
+                       example_inputs=(x8()[:, :8],))
+    return {"model": model.state_dict(), "full": sm.full_state_dict()}
+
+
+def test_values_come_from_rank_0_on_a_2x2_mesh():
+    res = run_ranks(_values_2x2, 4, timeout=300)
+    rank0 = res[0]["model"]
+    assert any(not torch.equal(r["model"]["lin.bias"], rank0["lin.bias"]) for r in res[1:])  # ranks did differ
+    for r in res:
+        assert set(r["full"]) == set(rank0) and all(torch.equal(r["full"][k], rank0[k]) for k in rank0), r["full"]
