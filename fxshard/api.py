@@ -13,9 +13,10 @@ from torch.utils import _pytree as pytree
 
 from .consistency import check_same_on_all_ranks, fingerprint
 from .context import ShardContext
+from .hf import from_hf
 from .inputs import InputCheck
 from .mesh import MeshInfo
-from .checkpoint import rank_slices
+from .checkpoint import take
 from .module import Program, ShardedModule, Training
 from .passes.annotate import annotate, spec_leaves
 from .passes.emit import emit
@@ -64,7 +65,7 @@ def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo,
     return req
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *,
+def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None,
           progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
@@ -73,7 +74,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
     plan of FQN globs -> ``P(...)``/placements (parameters, buffers) or
     ``ColwiseParallel()``/``RowwiseParallel()`` (nn.Linear/nn.Embedding
-    modules); ``in_specs`` a spec pytree prefix of ``example_inputs`` (default
+    modules), or ``"hf"`` for a transformers model's own plan (``fxshard.from_hf``);
+    ``in_specs`` a spec pytree prefix of ``example_inputs`` (default
     replicated) and ``out_specs`` one of the outputs (default replicated).
     Ensures: the module's parameters are local shards under the original
     FQNs, and its forward on each rank's local inputs returns the local part
@@ -82,6 +84,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     message as each stage starts (tracing a large model takes a while).
     """
     say = progress or (lambda msg: None)
+    plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = MeshInfo.of(mesh)
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
@@ -166,6 +169,6 @@ def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: Dev
             local = torch.empty(shape, dtype=full.dtype, device=device)
         else:
             # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
-            local = full.detach()[rank_slices(tuple(full.shape), pls, MeshInfo.of(mesh))].to(device).clone()
+            local = take(full.detach(), pls, MeshInfo.of(mesh)).to(device, copy=True)
         out[name] = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
     return out

@@ -16,7 +16,8 @@ from .errors import ShardingError
 from .inputs import InputCheck
 from .mesh import MeshInfo
 from .passes.trace import Traced
-from .placements import Pl, to_torch
+from .checkpoint import open_checkpoint, rank_pieces, take, to_dtensor
+from .placements import Pl
 
 __all__ = ["ShardedModule", "Program"]
 
@@ -179,9 +180,7 @@ class ShardedModule(nn.Module):
 
     # ---- state ---------------------------------------------------------------------------
     def _dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
-        pls = [to_torch(p) for p in self._placements[fqn]]
-        shape = torch.Size(int(s) for s in self._global_shapes[fqn])
-        return DTensor.from_local(local, self._mesh, pls, shape=shape, stride=_contiguous_stride(shape))
+        return to_dtensor(local, self._mesh, self._placements[fqn], self._global_shapes[fqn])
 
     def init_parameters(self, init: Any) -> None:
         """Fill every parameter and buffer from ``init(fqn, full_tensor)``, which writes the full
@@ -191,14 +190,12 @@ class ShardedModule(nn.Module):
         parameter. With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))`` then
         ``nn.init.normal_``), every rank and the unsharded model get the same values.
         """
-        from .checkpoint import rank_slices
-
         with torch.no_grad():
             for name, local in self.state_dict(keep_vars=True).items():
                 shape = tuple(int(s) for s in self._global_shapes[name])
                 full = torch.empty(shape, dtype=local.dtype, device="cpu")
                 init(name, full)
-                local.copy_(full[rank_slices(shape, self._placements[name], self._info)])
+                local.copy_(take(full, self._placements[name], self._info))
                 del full
 
     def sharded_state_dict(self) -> dict[str, DTensor]:
@@ -244,8 +241,6 @@ class ShardedModule(nn.Module):
         ``src`` is a state dict (keys as in ``model.state_dict()``), a ``.safetensors`` file, or a
         directory of HF-style sharded safetensors files; from files each rank reads only its slices.
         """
-        from .checkpoint import open_checkpoint, rank_slices
-
         reader = open_checkpoint(src)
         own = self.state_dict(keep_vars=True)
         have = set(reader.keys())
@@ -258,19 +253,9 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for name, local in own.items():
                 shape = tuple(int(s) for s in self._global_shapes[name])
-                piece = reader.read(name, rank_slices(shape, self._placements[name], self._info), shape)
-                local.copy_(piece)
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
+                local.copy_(reader.read(name, rank_pieces(shape, self._placements[name], self._info), shape))
 
 
 def local_slice(full: torch.Tensor, mesh: DeviceMesh, pls: tuple[Pl, ...]) -> torch.Tensor:
-    """This rank's piece of a full tensor laid out per ``pls`` (a view; no communication)."""
-    from .checkpoint import rank_slices
-
-    return full[rank_slices(tuple(full.shape), pls, MeshInfo.of(mesh))]
+    """This rank's piece of a full tensor laid out per ``pls`` (no communication; a view unless packed)."""
+    return take(full, pls, MeshInfo.of(mesh))
