@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
@@ -54,8 +55,7 @@ def _dims(entries: dict[int, Any], ndim: int) -> Optional[P]:
     return P(*[entries.get(d) for d in range(ndim)])
 
 
-# HF string -> (layout of one parameter: (attribute name, ndim, axis) -> P or None, module style factory or None)
-ParamLayout = Callable[[str, int, str], Optional[P]]
+ParamLayout = Callable[[str, int, str], Optional[P]]  # (attribute name, ndim, mesh axis) -> spec or None
 
 
 def _colwise(pname: str, ndim: int, axis: str) -> Optional[P]:
@@ -82,24 +82,33 @@ def _replicated(pname: str, ndim: int, axis: str) -> Optional[P]:
     return None
 
 
-TRANSLATIONS: dict[str, tuple[ParamLayout, Optional[Callable[[str], Any]]]] = {
-    "colwise": (_colwise, lambda a: ColwiseParallel(mesh_axis=a)),
-    "colwise_gather_output": (_colwise, lambda a: ColwiseParallel(output_layouts=Replicate(), mesh_axis=a)),
-    "colwise_rep": (_colwise, lambda a: ColwiseParallel(output_layouts=Replicate(), mesh_axis=a)),
-    "rowwise": (_rowwise, lambda a: RowwiseParallel(mesh_axis=a)),
-    "rowwise_split_input": (_rowwise, lambda a: RowwiseParallel(input_layouts=Replicate(), mesh_axis=a)),
-    "rowwise_rep": (_rowwise, lambda a: RowwiseParallel(input_layouts=Replicate(), mesh_axis=a)),
-    "embedding_rowwise": (_dim(0), lambda a: RowwiseParallel(mesh_axis=a)),
-    "embedding_colwise": (_dim(1), lambda a: ColwiseParallel(output_layouts=Replicate(), mesh_axis=a)),
-    "packed_colwise": (_packed_colwise, None),
-    "packed_rowwise": (_packed_rowwise, None),
-    "sequence_parallel": (_replicated, lambda a: SequenceParallel(mesh_axis=a)),
-    "grouped_gemm": (_dim(0), None),
-    **{s: (_replicated, None) for s in (
+@dataclass(frozen=True)
+class Translation:
+    """What one HF string becomes: each parameter's spec, and the style its modules take when they are
+    all ``style_on`` (else the parameters get specs and the activations are left to propagation)."""
+
+    layout: ParamLayout
+    style: Optional[Callable[[str], Any]] = None
+    style_on: tuple[type, ...] = (nn.Linear, nn.Embedding)
+
+
+TRANSLATIONS: dict[str, Translation] = {
+    "colwise": Translation(_colwise, lambda a: ColwiseParallel(mesh_axis=a)),
+    "colwise_gather_output": Translation(_colwise, lambda a: ColwiseParallel(output_layouts=Replicate(), mesh_axis=a)),
+    "colwise_rep": Translation(_colwise, lambda a: ColwiseParallel(output_layouts=Replicate(), mesh_axis=a)),
+    "rowwise": Translation(_rowwise, lambda a: RowwiseParallel(mesh_axis=a)),
+    "rowwise_split_input": Translation(_rowwise, lambda a: RowwiseParallel(input_layouts=Replicate(), mesh_axis=a)),
+    "rowwise_rep": Translation(_rowwise, lambda a: RowwiseParallel(input_layouts=Replicate(), mesh_axis=a)),
+    "embedding_rowwise": Translation(_dim(0), lambda a: RowwiseParallel(mesh_axis=a)),
+    "embedding_colwise": Translation(_dim(1), lambda a: ColwiseParallel(output_layouts=Replicate(), mesh_axis=a)),
+    "packed_colwise": Translation(_packed_colwise),
+    "packed_rowwise": Translation(_packed_rowwise),
+    "sequence_parallel": Translation(_replicated, lambda a: SequenceParallel(mesh_axis=a), (nn.Module,)),
+    "grouped_gemm": Translation(_dim(0)),
+    **{s: Translation(_replicated) for s in (
         "replicate", "replicated_with_grad_allreduce", "local_params", "mla_kv_a_proj", "all_reduce",
         "moe_tp_experts", "moe_identity_expert", "ep_dispatch_experts")},
 }
-_STYLED_MODULES = (nn.Linear, nn.Embedding)
 
 
 def _generic(name: str) -> str:
@@ -160,18 +169,18 @@ def from_hf(model: nn.Module, *, axis: str = "tp", experts: str = "tp") -> dict[
             owner[fqn] = _generic(mod)
     plan: dict[str, Any] = {}
     for key, string in hf.items():
-        layout, style = TRANSLATIONS[string]
+        tr = TRANSLATIONS[string]
         mods = [m for m in modules if m and _generic(m) == key]
         own = {f: p for f, p in params.items() if owner.get(f) == key}
-        styled = style is not None and mods and all(isinstance(modules[m], _STYLED_MODULES) for m in mods) and all(
+        styled = tr.style is not None and mods and all(isinstance(modules[m], tr.style_on) for m in mods) and all(
             f.rpartition(".")[0] in mods for f in own) and all(
             owner.get(f"{m}.{n}") == key for m in mods for n, _ in modules[m].named_parameters(recurse=False))
         if styled:
-            _put(plan, key, style(axis), mods, modules)
+            _put(plan, key, tr.style(axis), mods, modules)
             continue
         by_glob: dict[str, Any] = {}
         for f, p in own.items():
-            spec = layout(f.rpartition(".")[2], p.dim(), axis)
+            spec = tr.layout(f.rpartition(".")[2], p.dim(), axis)
             if spec is not None:
                 by_glob.setdefault(_generic(f), (spec, []))[1].append(f)
         for glob, (spec, fqns) in by_glob.items():
