@@ -45,6 +45,7 @@ SPEC_FORMS = {
         ((2, 8, 4), P(None, Packed("tp", 2), None)),             # packed MoE experts [E, 2I, H]
         ((6, 4), (Shard(1),)),                                   # torch placements
         ((8, 4), (_StridedShard(0, split_factor=2),)),           # torch's strided placement
+        ((4, 8), (_StridedShard(-1, split_factor=2),)),          # ... with a negative dim
         ((4, 8), (S(1, 4),)),                                    # the internal form
         ((3, 4), None),                                          # replicated
     ],
@@ -150,7 +151,7 @@ def test_every_spec_form_gives_the_pieces_the_program_assumes(tmp_path):
     value (``out_specs``), the placement semantics spelled out, torch's ``distribute_tensor`` cut,
     ``init_parameters`` and ``load_full_state_dict`` from a safetensors file; its shape is the one
     the program's placeholder is localized to."""
-    checked = 0
+    checked, expected = 0, 0
     for (shape, axis_names), cases in SPEC_FORMS.items():
         world = 1
         for s in shape:
@@ -158,6 +159,7 @@ def test_every_spec_form_gives_the_pieces_the_program_assumes(tmp_path):
         shapes = [c[0] for c in cases]
         specs = [c[1] for c in cases]
         styles = (shape, axis_names) in STYLE_MESHES
+        expected += world * (len(cases) + (4 if styles else 0))  # the styled Linear pair has 4 parameters
         for rank in range(world):
             with fake_world(world, rank, shape, axis_names) as mesh:
                 res = _one_rank(mesh, shapes, specs, styles, str(tmp_path / "full.safetensors"))
@@ -168,7 +170,7 @@ def test_every_spec_form_gives_the_pieces_the_program_assumes(tmp_path):
                 for j, other in enumerate(pieces[1:], 1):
                     assert torch.equal(local, other), f"{what}: piece {j} differs"
                 checked += 1
-    assert checked == 2 * 11 + 2 * 4 + 4 * (3 + 8 + 4)  # every parameter of every case on every rank
+    assert checked == expected  # every parameter of every case on every rank
 
 
 def test_packed_split_that_does_not_divide_each_block_is_a_sharding_error(fake_mesh):
