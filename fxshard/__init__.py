@@ -7,22 +7,23 @@ from .api import shard
 from .compile import backend, backend_options
 from .constrain import constrain
 from .errors import ShardingError
+from .hf import from_hf
 from .inspect import comm_stats, explain
 from .jit import ShardedFunction, jit
 from .memory import memory
 from .mesh import init_mesh
 from .optim_state import load_optim_state_dict, optim_state_dict
 from .module import ShardedModule
-from .placements import P
+from .placements import P, Packed
 from .styles import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
     SequenceParallel,
 )
 
 __all__ = [
-    "P", "Shard", "Replicate", "Partial", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "P", "Packed", "Shard", "Replicate", "Partial", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
     "optim_state_dict", "load_optim_state_dict",
-    "backend", "backend_options",
+    "backend", "backend_options", "from_hf",
 ]

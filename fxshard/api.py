@@ -16,9 +16,10 @@ from torch.utils import _pytree as pytree
 
 from .consistency import check_same_on_all_ranks, fingerprint
 from .context import ShardContext
+from .hf import from_hf
 from .inputs import InputCheck
 from .mesh import MeshInfo
-from .checkpoint import rank_slices
+from .checkpoint import take
 from .errors import ShardingError
 from .module import Program, Programs, ShardedModule, Training
 from .replicas import check_replicas, communicates, from_source, sentinel
@@ -76,7 +77,7 @@ def _output_text(i: int, leaf: Any) -> str:
     return f"output {i} ({type(val).__name__})"
 
 
-def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *,
+def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
           progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
@@ -85,7 +86,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
     plan of FQN globs -> ``P(...)``/placements (parameters, buffers) or
     ``ColwiseParallel()``/``RowwiseParallel()`` (nn.Linear/nn.Embedding
-    modules); ``in_specs`` a spec pytree prefix of ``example_inputs`` (default
+    modules), or ``"hf"`` for a transformers model's own plan (``fxshard.from_hf``);
+    ``in_specs`` a spec pytree prefix of ``example_inputs`` (default
     replicated) and ``out_specs`` one of the outputs (default replicated).
     Ensures: the module's parameters are local shards under the original
     FQNs, and its forward on each rank's local inputs returns the local part
@@ -108,6 +110,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] 
     must switch together), and the programs are cached per combination.
     """
     say = progress or (lambda msg: None)
+    plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = MeshInfo.of(mesh)
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
             0 <= src_data_rank < n for n in info.sizes)):
@@ -305,7 +308,7 @@ def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: Dev
             with torch.no_grad():
                 source = from_source(full, src, mesh, device) if src is not None else full.detach()
                 # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
-                local = source[rank_slices(tuple(full.shape), pls, info)].to(device).clone()
+                local = take(source, pls, info).to(device, copy=True)
                 del source
         out[name] = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
     return out, unfilled

@@ -1,38 +1,134 @@
-"""Reading each rank's slices of a full checkpoint without materializing full tensors.
+"""Which pieces of a full tensor a rank holds, and reading them from full checkpoints.
 
-Sources: an in-memory state dict, a ``.safetensors`` file, or a directory of
-HF-style sharded safetensors files with ``model.safetensors.index.json``. For
-files, each rank reads only its own slice of each tensor (safetensors
-slicing), so peak memory stays near the shard size.
+A rank's shard is one box of the global tensor, or several when a dim is packed
+(a strided split ``S(d, outer=k)`` holds one chunk of each of ``k`` blocks):
+``rank_pieces`` lists them, ``take`` cuts them out of a full tensor, and
+``to_dtensor`` presents a shard as a DTensor whose checkpoint chunks are those
+boxes. Checkpoint sources: an in-memory state dict, a ``.safetensors`` file, or
+a directory of HF-style sharded safetensors files with
+``model.safetensors.index.json``. For files, each rank reads only its own
+pieces of each tensor (safetensors slicing), so peak memory stays near the
+shard size.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from typing import Mapping, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .placements import Pl
+from .placements import Pl, S, from_torch, to_torch
 from .spec import chunk, chunk_index, shard_factor
 
-__all__ = ["rank_slices", "SliceReader", "open_checkpoint"]
+__all__ = ["Piece", "rank_pieces", "take", "to_dtensor", "SliceReader", "open_checkpoint"]
 
 Source = Union[Mapping[str, torch.Tensor], str, os.PathLike]
 
 
-def rank_slices(shape: Sequence[int], pls: Sequence[Pl], info: MeshInfo) -> tuple[slice, ...]:
-    """The index of this rank's shard of a tensor of global ``shape`` laid out per ``pls``
-    (``torch.chunk`` pieces, so an uneven split gives the last rank the shorter piece)."""
-    out = []
+@dataclass(frozen=True)
+class Piece:
+    """One box of a rank's shard: ``src`` indexes the global tensor, ``dst`` the local shard."""
+
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+
+def _dim_runs(size: int, pls: Sequence[Pl], info: MeshInfo, d: int) -> list[tuple[int, int]]:
+    """(global start, length) of each run of dim ``d`` this rank holds, in local order."""
+    f = shard_factor(pls, info.sizes, d)
+    idx = chunk_index(pls, info.sizes, info.coords, d)
+    outer = max([p.outer for p in pls if isinstance(p, S) and p.dim == d], default=1)
+    if f == 1 or outer == 1:
+        return [chunk(size, f, idx)]
+    block = size // outer  # a packed dim divides evenly (plan.check_divisible)
+    m = block // f
+    return [(b * block + idx * m, m) for b in range(outer)]
+
+
+def rank_pieces(shape: Sequence[int], pls: Sequence[Pl], info: MeshInfo) -> list[Piece]:
+    """The boxes of this rank's shard of a tensor of global ``shape`` laid out per ``pls``: one box
+    (``torch.chunk`` pieces, so an uneven split gives the last rank the shorter piece), or one per
+    combination of packed blocks. The local shard is the pieces' ``src`` boxes placed at ``dst``."""
+    per_dim = []
     for d, size in enumerate(shape):
-        f = shard_factor(pls, info.sizes, d)
-        start, length = chunk(int(size), f, chunk_index(pls, info.sizes, info.coords, d))
-        out.append(slice(start, start + length))
-    return tuple(out)
+        runs, at = [], 0
+        for start, length in _dim_runs(int(size), pls, info, d):
+            runs.append((slice(start, start + length), slice(at, at + length)))
+            at += length
+        per_dim.append(runs)
+    return [Piece(tuple(r[0] for r in combo), tuple(r[1] for r in combo)) for combo in itertools.product(*per_dim)]
+
+
+def _assemble(pieces: list[Piece], read: Callable[[tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+    parts = [read(p.src) for p in pieces]
+    if len(parts) == 1:
+        return parts[0]
+    out = parts[0].new_empty([max(p.dst[d].stop for p in pieces) for d in range(len(pieces[0].dst))])
+    for p, t in zip(pieces, parts):
+        out[p.dst] = t
+    return out
+
+
+def take(full: torch.Tensor, pls: Sequence[Pl], info: MeshInfo) -> torch.Tensor:
+    """This rank's shard of ``full`` (a view when it is one box, a new tensor when packed)."""
+    return _assemble(rank_pieces(tuple(full.shape), pls, info), lambda src: full[src])
+
+
+class _PackedDTensor(DTensor):
+    """A DTensor with a packed (``_StridedShard``) placement: its shard is several boxes of the global
+    tensor, which DCP's default (one box per rank) cannot describe, so each box is one checkpoint chunk."""
+
+    def _pieces(self) -> list[Piece]:
+        pls = [from_torch(p, self.ndim) for p in self.placements]
+        return rank_pieces(tuple(self.shape), pls, MeshInfo.of(self.device_mesh))
+
+    @staticmethod
+    def _chunk(p: Piece) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(s.start for s in p.src),
+                                    sizes=torch.Size(s.stop - s.start for s in p.src))
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk(p) for p in self._pieces()]
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self._local_tensor)
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))
+                for c in self.__create_chunk_list__()]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for p in self._pieces():
+            if self._chunk(p).offsets == index.offset:
+                return self._local_tensor[p.dst]
+        raise ShardingError(f"{index.fqn}: no local piece starts at {tuple(index.offset or ())}")
+
+
+def to_dtensor(local: torch.Tensor, mesh: DeviceMesh, pls: Sequence[Pl], shape: Sequence[int]) -> DTensor:
+    """``local`` (this rank's shard laid out per ``pls``, of global ``shape``) as a DTensor over ``mesh``,
+    without communication. ``full_tensor()``, ``redistribute`` and DCP save/load work on it, packed too."""
+    size = torch.Size(int(s) for s in shape)
+    dt = DTensor.from_local(local, mesh, [to_torch(p) for p in pls], shape=size, stride=_contiguous_stride(size))
+    if all(not isinstance(p, S) or p.outer == 1 for p in pls):
+        return dt
+    return _PackedDTensor(dt._local_tensor, dt._spec, requires_grad=dt.requires_grad)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
 
 
 class SliceReader:
@@ -70,24 +166,26 @@ class SliceReader:
     def keys(self) -> list[str]:
         return list(self._mem.keys()) if self._mem is not None else list(self._files)
 
-    def read(self, name: str, index: tuple[slice, ...], expect_shape: Sequence[int]) -> torch.Tensor:
+    def read(self, name: str, pieces: list[Piece], expect_shape: Sequence[int]) -> torch.Tensor:
+        """The shard of tensor ``name`` made of ``pieces`` (see ``rank_pieces``); from files, only those are read."""
         if self._mem is not None:
             full = self._mem[name]
-            shape = tuple(full.shape)
-        else:
-            from safetensors import safe_open
+            self._check(name, tuple(full.shape), expect_shape)
+            return _assemble(pieces, lambda src: full[src])
+        from safetensors import safe_open
 
-            with safe_open(self._files[name], framework="pt") as f:
-                sl = f.get_slice(name)
-                shape = tuple(sl.get_shape())
-                if shape == tuple(expect_shape):
-                    return sl[index] if index else sl[:]
+        with safe_open(self._files[name], framework="pt") as f:
+            sl = f.get_slice(name)
+            self._check(name, tuple(sl.get_shape()), expect_shape)
+            return _assemble(pieces, lambda src: sl[src] if src else sl[:])
+
+    @staticmethod
+    def _check(name: str, shape: tuple, expect_shape: Sequence[int]) -> None:
         if shape != tuple(expect_shape):
             raise ShardingError(
                 f"load_full_state_dict: {name} has shape {shape}, expected {tuple(expect_shape)}; "
                 f"load a checkpoint of the same model config"
             )
-        return full[index]
 
 
 def open_checkpoint(src: Source) -> SliceReader:

@@ -17,7 +17,8 @@ from .errors import ShardingError
 from .inputs import InputCheck
 from .mesh import MeshInfo
 from .passes.trace import Traced
-from .placements import Pl, to_torch
+from .checkpoint import open_checkpoint, rank_pieces, take, to_dtensor
+from .placements import Pl
 from .replicas import check_replicas, communicates, from_source, holds_sentinel
 
 __all__ = ["ShardedModule", "Program", "Programs", "Training"]
@@ -342,9 +343,7 @@ class ShardedModule(nn.Module):
 
     # ---- state ---------------------------------------------------------------------------
     def _dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
-        pls = [to_torch(p) for p in self._placements[fqn]]
-        shape = torch.Size(int(s) for s in self._global_shapes[fqn])
-        return DTensor.from_local(local, self._mesh, pls, shape=shape, stride=_contiguous_stride(shape))
+        return to_dtensor(local, self._mesh, self._placements[fqn], self._global_shapes[fqn])
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer (non-persistent ones too), once per tensor."""
@@ -361,8 +360,6 @@ class ShardedModule(nn.Module):
         ShardingError). With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))``
         then ``nn.init.normal_``), the result also equals the unsharded model's init.
         """
-        from .checkpoint import rank_slices
-
         src = self._src_data_rank if communicates(self._mesh) else None
         own = self._named_tensors()
         with torch.no_grad():
@@ -372,7 +369,7 @@ class ShardedModule(nn.Module):
                 init(name, full)
                 if src is not None:
                     full = from_source(full, src, self._mesh, local.device, writable=True)
-                local.copy_(full[rank_slices(shape, self._placements[name], self._info)])
+                local.copy_(take(full, self._placements[name], self._info))
                 del full
         self._mark_filled(own)
         if self._src_data_rank is None:
@@ -432,8 +429,6 @@ class ShardedModule(nn.Module):
         ``src`` is a state dict (keys as in ``model.state_dict()``), a ``.safetensors`` file, or a
         directory of HF-style sharded safetensors files; from files each rank reads only its slices.
         """
-        from .checkpoint import open_checkpoint, rank_slices
-
         reader = open_checkpoint(src)
         own = self.state_dict(keep_vars=True)
         have = set(reader.keys())
@@ -446,20 +441,10 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for name, local in own.items():
                 shape = tuple(int(s) for s in self._global_shapes[name])
-                piece = reader.read(name, rank_slices(shape, self._placements[name], self._info), shape)
-                local.copy_(piece)
+                local.copy_(reader.read(name, rank_pieces(shape, self._placements[name], self._info), shape))
         self._mark_filled(own)
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
 
 
 def local_slice(full: torch.Tensor, mesh: DeviceMesh, pls: tuple[Pl, ...]) -> torch.Tensor:
-    """This rank's piece of a full tensor laid out per ``pls`` (a view; no communication)."""
-    from .checkpoint import rank_slices
-
-    return full[rank_slices(tuple(full.shape), pls, MeshInfo.of(mesh))]
+    """This rank's piece of a full tensor laid out per ``pls`` (no communication; a view unless packed)."""
+    return take(full, pls, MeshInfo.of(mesh))

@@ -8,7 +8,10 @@ immutable values that print short:
 * ``S(d)``         dim ``d`` split into equal contiguous chunks, rank ``i`` holds
   chunk ``i``; ``S(d, outer=k)`` views dim ``d`` as ``[k, size/k]`` and splits
   the second factor (the layout a merged ``[batch*heads]`` dim has when heads
-  are sharded);
+  are sharded, and a packed ``[gate; up]`` weight needs): rank ``i`` holds the
+  ``i``-th chunk of each of the ``k`` blocks, in block order. It is torch's
+  ``_StridedShard(d, split_factor=k)`` on a single mesh axis, and ``Packed``
+  in a ``P(...)`` spec;
 * ``Part(op)``     every rank holds a term; the value is their reduction by
   ``op`` (``sum``, ``max`` or ``min``). Printed ``P(sum)``.
 """
@@ -19,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import ShardingError
 
-__all__ = ["R", "S", "Part", "Pl", "Replicated", "P", "from_torch", "to_torch"]
+__all__ = ["R", "S", "Part", "Pl", "Replicated", "P", "Packed", "from_torch", "to_torch"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,9 @@ def from_torch(p: Any, ndim: int | None = None) -> Pl:
     """
     if isinstance(p, (Replicated, S, Part)):
         return p
+    if isinstance(p, _StridedShard):
+        d = p.dim + ndim if p.dim < 0 and ndim is not None else p.dim
+        return S(d, int(p.split_factor))
     if isinstance(p, Shard):
         d = p.dim
         if d < 0 and ndim is not None:
@@ -89,35 +96,59 @@ def from_torch(p: Any, ndim: int | None = None) -> Pl:
 
 
 def to_torch(p: Pl) -> Placement:
-    """Convert an internal placement to torch's (strided shards have no public torch twin)."""
+    """Convert an internal placement to torch's (a strided shard is ``_StridedShard``, see module doc)."""
     if isinstance(p, S):
-        if p.outer != 1:
-            raise ShardingError(f"{p!r} is a strided shard and has no torch placement")
-        return Shard(p.dim)
+        return Shard(p.dim) if p.outer == 1 else _StridedShard(p.dim, split_factor=p.outer)
     if isinstance(p, Part):
         return Partial(p.op)
     return Replicate()
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A ``P(...)`` entry for a dim holding ``blocks`` equal packed blocks, each split over mesh axis ``axis``.
+
+    A fused projection stores several matrices along one dim (``[gate; up]`` is 2 blocks, ``[q; k; v]``
+    of equal widths 3): ``P(Packed("tp", 2), None)`` gives every rank its chunk of each block (rank ``i``
+    holds ``gate[i]`` and ``up[i]``), so the blocks stay aligned after the split. This is the internal
+    ``S(d, outer=blocks)`` and torch's ``_StridedShard(d, split_factor=blocks)``; the dim must divide by
+    ``blocks`` times the axis size.
+    """
+
+    axis: str
+    blocks: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.axis, str) or not isinstance(self.blocks, int) or self.blocks < 1:
+            raise ShardingError(
+                f"Packed({self.axis!r}, {self.blocks!r}): give one mesh axis name and a positive block count, "
+                f"e.g. Packed('tp', 2) for a fused [gate; up] dim"
+            )
+
+    def __repr__(self) -> str:
+        return f"Packed({self.axis!r}, {self.blocks})"
+
+
 class P(tuple):
     """JAX-style PartitionSpec: one entry per tensor dim.
 
-    Each entry is ``None`` (not split), a mesh axis name, or a tuple of names
-    (split over several axes, major first). ``P("tp", None)`` splits dim 0 over
+    Each entry is ``None`` (not split), a mesh axis name, a tuple of names
+    (split over several axes, major first), or ``Packed(axis, blocks)`` (a dim of
+    packed blocks, each split over ``axis``). ``P("tp", None)`` splits dim 0 over
     axis ``tp``. Fewer entries than the tensor has dims leave the rest unsplit.
     """
 
-    def __new__(cls, *entries: Union[None, str, Sequence[str]]) -> "P":
-        norm = []
+    def __new__(cls, *entries: Union[None, str, Sequence[str], Packed]) -> "P":
+        norm: list = []
         for e in entries:
-            if e is None or isinstance(e, str):
+            if e is None or isinstance(e, (str, Packed)):
                 norm.append(e)
             elif isinstance(e, (tuple, list)) and all(isinstance(a, str) for a in e):
                 norm.append(tuple(e) if len(e) != 1 else e[0])
             else:
                 raise ShardingError(
-                    f"P entry {e!r} is neither None, a mesh axis name nor a tuple of names; "
-                    f"write e.g. P('tp', None) or P(('dp', 'tp'), None)"
+                    f"P entry {e!r} is neither None, a mesh axis name, a tuple of names nor Packed(axis, blocks); "
+                    f"write e.g. P('tp', None), P(('dp', 'tp'), None) or P(Packed('tp', 2), None)"
                 )
         return super().__new__(cls, norm)
 
@@ -129,6 +160,8 @@ class P(tuple):
         if dim >= len(self) or self[dim] is None:
             return ()
         e = self[dim]
+        if isinstance(e, Packed):
+            return (e.axis,)
         return (e,) if isinstance(e, str) else tuple(e)
 
     def to_placements(self, axis_names: Sequence[str], ndim: int, what: str = "spec") -> tuple[Pl, ...]:
@@ -145,7 +178,16 @@ class P(tuple):
         out: list[Pl] = [R] * len(axis_names)
         seen: set[str] = set()
         for d in range(len(self)):
-            for a in self.axes_of(d):
+            axes = self.axes_of(d)
+            known = [a for a in axes if a in axis_names]
+            in_mesh_order = sorted(known, key=list(axis_names).index)
+            if known != in_mesh_order:
+                raise ShardingError(
+                    f"{what}: {self!r} splits dim {d} over {tuple(known)}, {known[0]!r} major, but a dim split over "
+                    f"several axes is laid out major-first in mesh order {tuple(axis_names)}; write "
+                    f"{tuple(in_mesh_order)!r} (the pieces differ) or a mesh with the axes in that order"
+                )
+            for a in axes:
                 if a not in axis_names:
                     raise ShardingError(
                         f"{what}: {self!r} names mesh axis {a!r}, but the mesh axes are "
@@ -154,17 +196,25 @@ class P(tuple):
                 if a in seen:
                     raise ShardingError(f"{what}: {self!r} uses mesh axis {a!r} twice; use each axis once")
                 seen.add(a)
-                out[list(axis_names).index(a)] = S(d)
+                out[list(axis_names).index(a)] = S(d, self[d].blocks if isinstance(self[d], Packed) else 1)
         return tuple(out)
 
     @staticmethod
     def from_placements(placements: Sequence[Pl], axis_names: Sequence[str], ndim: int) -> "P":
-        """The PartitionSpec of per-axis placements (Partial and strided have none)."""
+        """The PartitionSpec of per-axis placements (Partial has none; a strided split is ``Packed``)."""
         dims: list[list[str]] = [[] for _ in range(ndim)]
+        packed: dict[int, int] = {}
         for a, p in zip(axis_names, placements):
             p = from_torch(p, ndim)
-            if isinstance(p, Part) or (isinstance(p, S) and p.outer != 1):
+            if isinstance(p, Part):
                 raise ShardingError(f"{p!r} on axis {a!r} has no PartitionSpec form")
             if isinstance(p, S):
                 dims[p.dim].append(a)
-        return P(*[None if not d else (d[0] if len(d) == 1 else tuple(d)) for d in dims])
+                if p.outer != 1:
+                    packed[p.dim] = p.outer
+        out: list = []
+        for i, d in enumerate(dims):
+            if i in packed and len(d) != 1:
+                raise ShardingError(f"dim {i} is packed and split over axes {d}; a packed dim takes one axis")
+            out.append(Packed(d[0], packed[i]) if i in packed else None if not d else d[0] if len(d) == 1 else tuple(d))
+        return P(*out)

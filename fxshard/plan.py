@@ -124,8 +124,8 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
         return {}
     if not isinstance(plan, Mapping):
         raise ShardingError(
-            f"plan must be a dict of FQN globs to specs or styles, got {type(plan).__name__}; "
-            f"e.g. {{'net1': ColwiseParallel(), 'head.weight': P('tp', None)}}"
+            f"plan must be a dict of FQN globs to specs or styles (or 'hf' for a transformers model's own "
+            f"plan), got {plan!r}; e.g. {{'net1': ColwiseParallel(), 'head.weight': P('tp', None)}}"
         )
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -218,7 +218,12 @@ def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInf
                               [mesh.sizes[a] for a in axes], uneven=uneven):
             continue
         names = " x ".join(f"'{mesh.names[a]}' ({mesh.sizes[a]})" for a in axes)
-        if not uneven:
+        outer = max(pls[a].outer for a in axes)
+        if outer > 1 and len(axes) > 1:
+            why = f"a packed dim ({outer} blocks) is split over one mesh axis only"
+        elif outer > 1:
+            why = f"each of its {outer} packed blocks must split evenly ({outer} x {f} must divide {size})"
+        elif not uneven:
             why = even_why or "this split must divide evenly"
         elif len(axes) > 1:
             why = "a dim split over several mesh axes must divide evenly"

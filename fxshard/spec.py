@@ -74,8 +74,11 @@ def split_ok(shape: Sequence[Dim], pls: Sequence[Pl], sizes: Sequence[int], unev
     for d, size in enumerate(shape):
         axes = [n for p, n in zip(pls, sizes) if isinstance(p, S) and p.dim == d and n > 1]
         f = prod(axes)
-        if f == 1 or divides(size, f):
+        outer = max([p.outer for p in split if p.dim == d], default=1)
+        if f == 1 or divides(size, f * outer):
             continue
+        if outer > 1:
+            return False
         if not (uneven and len(axes) == 1 and can_split(size, f)):
             return False
     return True

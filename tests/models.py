@@ -30,7 +30,7 @@ __all__ = [
     "ConvBigHeadWithLoss",
     "RMSNorm",
     "LlamaDecoder",
-    "Seed002Model",
+    "Seed002Model", "FusedMLP", "PackedMoE",
     "make_tokens",
     "make_images",
     "make_labels",
@@ -447,6 +447,52 @@ class Seed002Model(nn.Module):
         return x
 
 
+# ------------------------------------------------------------- packed (fused) weights
+
+
+class FusedMLP(nn.Module):
+    """A SwiGLU MLP whose gate and up projections are one packed Linear, with an MSE loss inside.
+
+    FQNs: ``gate_up.weight`` (2*inter, dim) = ``[gate; up]``, ``gate_up.bias`` (2*inter), ``down.weight``
+    (dim, inter), ``down.bias`` (dim). Inputs ``x, y`` of shape ``(..., dim)`` -> scalar loss.
+    """
+
+    def __init__(self, dim: int = 16, inter: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        with _seeded(seed):
+            self.gate_up = nn.Linear(dim, 2 * inter)
+            self.down = nn.Linear(inter, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return F.mse_loss(self.down(F.silu(gate) * up), y)
+
+
+class PackedMoE(nn.Module):
+    """A top-k routed mixture of experts with packed expert weights (Hugging Face's Mixtral layout), computed
+    densely (every expert on every token, weighted by the routing matrix, zero off the top k), MSE loss inside.
+
+    FQNs: ``router.weight`` (experts, dim), ``gate_up_proj`` (experts, 2*inter, dim) = per expert
+    ``[gate; up]``, ``down_proj`` (experts, dim, inter). Inputs ``x, y`` of shape ``(batch, seq, dim)``.
+    """
+
+    def __init__(self, dim: int = 16, inter: int = 16, experts: int = 4, top_k: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        self.top_k = top_k
+        with _seeded(seed):
+            self.router = nn.Linear(dim, experts, bias=False)
+            self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, dim) * dim ** -0.5)
+            self.down_proj = nn.Parameter(torch.randn(experts, dim, inter) * inter ** -0.5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.router(h), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        route = torch.zeros_like(probs).scatter(-1, experts, weights / weights.sum(dim=-1, keepdim=True))
+        gate, up = torch.einsum("nd,eid->nei", h, self.gate_up_proj).chunk(2, dim=-1)
+        out = torch.einsum("nei,edi,ne->nd", F.silu(gate) * up, self.down_proj, route)
+        return F.mse_loss(out.view_as(x), y)
+
 # ------------------------------------------------------------------------ cases
 
 
@@ -493,4 +539,10 @@ MODEL_CASES: list[ModelCase] = [
         returns_loss=True,
     ),
     ModelCase("seed002", Seed002Model, lambda: (torch.randn(8, 32, generator=torch.Generator().manual_seed(0)),)),
+    ModelCase("fused_mlp", FusedMLP, lambda: (torch.randn(4, 16, generator=torch.Generator().manual_seed(0)),
+                                             torch.randn(4, 16, generator=torch.Generator().manual_seed(1))),
+              returns_loss=True),
+    ModelCase("packed_moe", PackedMoE, lambda: (torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0)),
+                                               torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(1))),
+              returns_loss=True),
 ]

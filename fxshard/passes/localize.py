@@ -244,6 +244,8 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             node.args = tuple(args)
         elif node.target is aten.slice.Tensor:
             _localize_slice(node, ctx)
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default):
+            _localize_split(node, ctx)
         _lower(g, node, ctx)
     gm.recompile()
     return gm
@@ -278,4 +280,18 @@ def _localize_slice(node: fx.Node, ctx: ShardContext) -> None:
     f = shard_factor(src.placements, ctx.mesh.sizes, dim)
     if f > 1 and isinstance(args[3], int) and is_concrete(src.shape[dim]) and args[3] == int(src.shape[dim]):
         args[3] = int(src.local_shape(ctx.mesh.sizes, ctx.mesh.coords)[dim])
+        node.args = tuple(args)
+
+
+def _localize_split(node: fx.Node, ctx: ShardContext) -> None:
+    """A split along a split dim (packed blocks cut apart, ``rules/view.py::_split``) cuts local sizes."""
+    src = tensor_inputs(node)[0].meta.get(META_KEY)
+    if not isinstance(src, Spec):
+        return
+    args = list(node.args)
+    dim = norm_dim(args[2] if len(args) > 2 else node.kwargs.get("dim", 0), src.ndim)
+    f = shard_factor(src.placements, ctx.mesh.sizes, dim)
+    if f > 1:
+        sizes = args[1]
+        args[1] = [int(s) // f for s in sizes] if isinstance(sizes, (list, tuple)) else int(sizes) // f
         node.args = tuple(args)

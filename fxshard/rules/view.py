@@ -221,9 +221,16 @@ def _select(call: OpCall, p: S, n: int) -> Optional[S]:
 
 
 def _split(call: OpCall, p: S, n: int) -> Optional[S]:
+    """Splitting another dim keeps ``p``; splitting a packed dim into equal parts of whole blocks (a fused
+    ``[gate; up]`` cut in two) leaves each part packed with fewer blocks, every rank keeping its chunks."""
     a = call.node.args
     dim = norm_dim(a[2] if len(a) > 2 else call.node.kwargs.get("dim", 0), len(call.in_shapes[0]))
-    return None if p.dim == dim else p
+    if p.dim != dim:
+        return p
+    parts = [s[dim] for s in call.out_shape]
+    if p.outer % len(parts) == 0 and all(equal(s, parts[0]) for s in parts):
+        return S(dim, p.outer // len(parts))
+    return None
 
 
 def _unbind(call: OpCall, p: S, n: int) -> Optional[S]:
@@ -264,4 +271,9 @@ def cat_rule(call: OpCall, n: int) -> list[Strategy]:
         if d != dim and can_split(call.out_shape[d], n):
             if all(len(s) == ndim for s in call.in_shapes):
                 res.append(Strategy((S(d),) * k, S(d)))
+    # equal parts split alike on the cat dim concatenate to a packed dim (each rank's chunks, part by part)
+    o = call.in_pls[0].outer if isinstance(call.in_pls[0], S) and call.in_pls[0].dim == dim else 1
+    if all(len(s) == ndim and equal(s[dim], call.in_shapes[0][dim]) for s in call.in_shapes) \
+            and can_split(call.in_shapes[0][dim], n, o):
+        res.append(Strategy((S(dim, o),) * k, S(dim, o * k)))
     return res
