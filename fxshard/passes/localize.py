@@ -2,7 +2,8 @@
 
 Requires: a redistributed graph (every op's inputs arrive as its strategy needs).
 Ensures: shape-carrying arguments (view/reshape/expand sizes, full-range slice
-ends on split dims) hold local sizes; ``sym_size`` of a split dim yields the
+ends on split dims) hold local sizes; squeezes remove only dims of global size 1
+(a rank's one-element piece of a split dim keeps its dim); ``sym_size`` of a split dim yields the
 global size again (so symbolic arithmetic in the graph stays global and is
 localized only where it becomes a shape); strategies that need rank-dependent
 code are lowered with this rank's coordinates baked in (masked embedding
@@ -33,6 +34,7 @@ aten = torch.ops.aten
 __all__ = ["localize", "runtime_device"]
 
 SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+SQUEEZE_OPS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:
@@ -244,6 +246,8 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             node.args = tuple(args)
         elif node.target is aten.slice.Tensor:
             _localize_slice(node, ctx)
+        elif node.target in SQUEEZE_OPS:
+            _localize_squeeze(node)
         _lower(g, node, ctx)
     gm.recompile()
     return gm
@@ -266,6 +270,19 @@ def _globalize_size(g: fx.Graph, node: fx.Node, spec: Spec, ctx: ShardContext) -
         f *= glob
     if f > 1:
         _follow_with(g, node, operator.mul, f)
+
+
+def _localize_squeeze(node: fx.Node) -> None:
+    """Squeeze exactly the dims of global size 1: an uneven piece of one element must keep its dim."""
+    src = tensor_inputs(node)[0].meta.get(META_KEY)
+    if not isinstance(src, Spec) or all(p == R for p in src.placements):
+        return
+    ndim = src.ndim
+    asked = range(ndim) if node.target is aten.squeeze.default else (
+        [node.args[1]] if node.target is aten.squeeze.dim else node.args[1])
+    dims = sorted({norm_dim(d, max(ndim, 1)) for d in asked})
+    node.target = aten.squeeze.dims
+    node.args = (node.args[0], [d for d in dims if d < ndim and is_concrete(src.shape[d]) and int(src.shape[d]) == 1])
 
 
 def _localize_slice(node: fx.Node, ctx: ShardContext) -> None:
