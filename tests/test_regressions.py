@@ -1,5 +1,6 @@
-"""Regression tests for wrong results and crashes the OpInfo sweep found: plans on the fake process
-group, numbers in one 2-rank spawn."""
+"""Regression tests for wrong results and crashes the OpInfo sweep (``test_opinfo.py``) and the rule
+validator (``fxshard.rules.validate``) found: plans on the fake process group, numbers in one
+2-rank spawn."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 import fxshard
 from fxshard import P
 from fxshard.placements import R, S
+from fxshard.rules import validate
 from fxshard.spec import split_ok
 from tests.dist_utils import run_ranks
 
@@ -109,6 +111,15 @@ def test_squeeze_keeps_a_split_dim_of_one_local_element(fake_mesh):
     sq = [n for n in sm._fwd.gm.graph.nodes if n.target in (aten.squeeze.dims, aten.squeeze.default)]
     assert [list(n.args[1]) for n in sq] == [[1]]  # only the dim that has one element globally
     assert sm(torch.randn(1, 1, 4)).shape == (3, 4)
+
+
+def test_var_dim_reads_keepdim_after_unbiased():
+    """``var.dim(x, dim, unbiased, keepdim)``: the rule took ``unbiased`` for ``keepdim``, so a split of
+    a later dim was placed one dim too far right (a dim the output does not have)."""
+    x = torch.randn(4, 5, 6)
+    for args in ((x, [1], True), (x, [1], True, True), (x, [0], False, False)):
+        checked, bad = validate.check_call(aten.var.dim, args)
+        assert checked >= 3 and not bad, bad
 
 
 def test_split_ok_rejects_a_dim_the_tensor_does_not_have():
