@@ -267,8 +267,9 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     gm = run_passes(joint.gm, jctx)
     split = partition(joint, gm)
     fb = list(jctx.fallbacks)
+    updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(split.fwd, "forward", fb), Program(split.bwd, "backward", fb), joint.n_out,
-                    joint.diff_out, joint.diff_in)
+                    joint.diff_out, joint.diff_in, updated)
 
 
 def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh, device: torch.device,

@@ -160,21 +160,28 @@ def all_reduce(e: Emitter, x: fx.Node, lshape: Sequence[Dim], op: str, a: int, m
 
 
 def local_slice(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo) -> fx.Node:
+    """This rank's piece of ``x`` (whole on axis ``a``) split as ``p``: a copy when the piece is not
+    contiguous (a split dim other than 0), since kernels such as ``native_layer_norm_backward`` read
+    their saved statistics as contiguous and views need the strides they were traced with."""
     n = mesh.sizes[a]
     c = mesh.coords[a]
     if is_uneven(lshape[p.dim], n):
         start, length = chunk(int(lshape[p.dim]), n, c)
-        return e.op(aten.slice.Tensor, x, p.dim, start, start + length)
+        return _dense(e, e.op(aten.slice.Tensor, x, p.dim, start, start + length), p.dim)
     ld = e.size(x, p.dim, lshape[p.dim])
     if p.outer == 1:
         piece = e.arith(operator.floordiv, ld, n)
-        return e.op(aten.slice.Tensor, x, p.dim, e.arith(operator.mul, piece, c),
-                    e.arith(operator.mul, piece, c + 1))
+        return _dense(e, e.op(aten.slice.Tensor, x, p.dim, e.arith(operator.mul, piece, c),
+                              e.arith(operator.mul, piece, c + 1)), p.dim)
     dims = [e.size(x, i, s) for i, s in enumerate(lshape)]
     m = e.arith(operator.floordiv, ld, p.outer * n)
     v = e.op(aten.view.default, e.contiguous(x), dims[: p.dim] + [p.outer, e.arith(operator.mul, m, n)] + dims[p.dim + 1:])
     s = e.contiguous(e.op(aten.slice.Tensor, v, p.dim + 1, e.arith(operator.mul, m, c), e.arith(operator.mul, m, c + 1)))
     return e.op(aten.view.default, s, dims[: p.dim] + [e.arith(operator.mul, m, p.outer)] + dims[p.dim + 1:])
+
+
+def _dense(e: Emitter, piece: fx.Node, dim: int) -> fx.Node:
+    return piece if dim == 0 else e.contiguous(piece)
 
 
 def all_to_all(e: Emitter, x: fx.Node, lshape: Sequence[Dim], src: S, dst: S, a: int, mesh: MeshInfo,
@@ -216,12 +223,26 @@ def to_partial(e: Emitter, x: fx.Node, p: Part, a: int, mesh: MeshInfo) -> fx.No
     return x
 
 
+# dtypes neither gloo nor NCCL reduce or gather: moved as the wider type (exact for sums modulo 2**16,
+# max, min and plain moves alike)
+WIDEN = {torch.int16: torch.int32}
+
+
+def _communicates(src: Sequence[Pl], dst: Sequence[Pl], mesh: MeshInfo) -> bool:
+    return any(s != d and n > 1 and s != R for s, d, n in zip(src, dst, mesh.sizes))
+
+
 def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], mesh: MeshInfo) -> fx.Node:
     """Nodes computing ``x`` (local, laid out per ``spec``) laid out per ``dst``.
 
     Moving a split between dims is one all_to_all. Reductions and gathers go innermost mesh axis first (so a dim split over
     several axes reassembles in order); local slices and R->Partial follow.
     """
+    wide = WIDEN.get(spec.dtype)
+    if wide is not None and _communicates(spec.placements, dst, mesh):
+        x = e.op(aten._to_copy.default, x, dtype=wide, memory_format=torch.contiguous_format)
+        x = redistribute_nodes(e, x, Spec(spec.placements, spec.shape, wide), dst, mesh)
+        return e.op(aten._to_copy.default, x, dtype=spec.dtype)
     cur = list(spec.placements)
     itemsize = spec.dtype.itemsize
     contiguous = True

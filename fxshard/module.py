@@ -42,6 +42,7 @@ class Training:
     n_out: int
     diff_out: list[int]
     diff_in: list[int]
+    updated: list[int] = field(default_factory=list)  # primals: buffers the forward updates in place
 
 
 @dataclass
@@ -61,6 +62,10 @@ class _RunSharded(torch.autograd.Function):
     def forward(ctx, training: Training, where: str, *primals: Any) -> Any:  # type: ignore[override]
         res = run_program(training.fwd.gm, primals, f"the forward of {where}")
         outs, saved = list(res[: training.n_out]), list(res[training.n_out:])
+        if training.updated:  # a buffer the backward reads is saved as its value now: the module updates it next
+            bufs = [primals[i] for i in training.updated]
+            saved = [x.clone() if isinstance(x, torch.Tensor) and any(x is b or x._base is b for b in bufs) else x
+                     for x in saved]
         ctx.training = training
         ctx.where = where
         ctx.tensor_pos = [i for i, x in enumerate(saved) if isinstance(x, torch.Tensor)]

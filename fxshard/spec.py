@@ -64,12 +64,12 @@ def chunk_index(pls: Sequence[Pl], sizes: Sequence[int], coords: Sequence[int], 
 
 
 def split_ok(shape: Sequence[Dim], pls: Sequence[Pl], sizes: Sequence[int], uneven: bool = False) -> bool:
-    """Every split dim of ``shape`` divides; with ``uneven``, a dim split over ONE mesh axis may instead
+    """Every split dim exists and divides; with ``uneven``, a dim split over ONE mesh axis may instead
     be cut unevenly (see :func:`can_split`). A dim split over several axes must divide evenly, and a
     strided split may not share its dim with another axis (collectives treat its outer factor as global)."""
     split = [p for p in pls if isinstance(p, S)]
     for p in split:
-        if p.outer > 1 and sum(1 for q in split if q.dim == p.dim) > 1:
+        if p.dim >= len(shape) or (p.outer > 1 and sum(1 for q in split if q.dim == p.dim) > 1):
             return False
     for d, size in enumerate(shape):
         axes = [n for p, n in zip(pls, sizes) if isinstance(p, S) and p.dim == d and n > 1]

@@ -7,9 +7,11 @@ plan, and on 2 real gloo ranks for its numbers.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import warnings
+from typing import Iterator
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ import fxshard
 import fxshard.api
 import fxshard.passes.propagate as propagate_mod
 from fxshard import ColwiseParallel, P, RowwiseParallel, Shard, ShardingError
+from fxshard import registry
 from fxshard.registry import lookup
 from tests import models
 from tests.dist_utils import run_ranks
@@ -160,8 +163,21 @@ def test_untraceable_model_names_the_user_source_line(mesh2):
 # ----------------------------------------------------------------------------- fallback for an op without a rule
 
 
+@contextlib.contextmanager
+def _no_rule(op) -> Iterator[None]:
+    """``op`` without its sharding rule for a while (the fallback is what the tests below check)."""
+    rule, uneven = registry._RULES.pop(op), op in registry._UNEVEN
+    registry._UNEVEN.discard(op)
+    try:
+        yield
+    finally:
+        registry._RULES[op] = rule
+        if uneven:
+            registry._UNEVEN.add(op)
+
+
 class _FlipMiddle(nn.Module):
-    """ToyModel with a flip (no sharding rule) between the colwise and rowwise layers."""
+    """ToyModel with a flip (its rule taken away: ``_no_rule``) between the colwise and rowwise layers."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -175,11 +191,20 @@ class _FlipMiddle(nn.Module):
 FLIP_PLAN = {"m.net1": ColwiseParallel(), "m.net2": RowwiseParallel()}
 
 
-def test_flip_has_no_rule():
-    assert lookup(aten.flip.default) is None
+def test_no_rule_removes_and_restores_a_rule():
+    rule = lookup(aten.flip.default)
+    with _no_rule(aten.flip.default):
+        assert lookup(aten.flip.default) is None
+    assert lookup(aten.flip.default) is rule and rule is not None
 
 
-def test_fallback_warns_and_gathers(mesh2, monkeypatch):
+@pytest.fixture
+def flip_without_rule():
+    with _no_rule(aten.flip.default):
+        yield
+
+
+def test_fallback_warns_and_gathers(mesh2, monkeypatch, flip_without_rule):
     monkeypatch.setattr(propagate_mod, "_WARNED", set())  # the warning is once per process and op
     with pytest.warns(UserWarning, match=r"no sharding rule for aten\.flip\.default"):
         sm = fxshard.shard(_FlipMiddle().requires_grad_(False), mesh2, FLIP_PLAN, example_inputs=(x8(),))
@@ -200,7 +225,7 @@ def _fallback_rank(rank: int, world: int) -> dict:
     model = _FlipMiddle().requires_grad_(False)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     ref = model(x)
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, _no_rule(aten.flip.default):
         warnings.simplefilter("always")
         sm = fxshard.shard(model, mesh, FLIP_PLAN, example_inputs=(x,))
     out = sm(x)

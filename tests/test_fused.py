@@ -1,9 +1,8 @@
 """Fused CPU kernels kept out of the decompositions (issue 7): their rules, their graphs, their numbers.
 
 * Every strategy the rules of the kept kernels admit is checked against the unsharded op on real
-  tensors: each simulated rank runs the op on its local pieces (a chunk for ``S(d)``, the whole tensor
-  for ``R``, a random term for ``P(sum)``) and the pieces of the outputs must reassemble the global
-  outputs (concatenated, equal everywhere, or summed).
+  tensors by the rule validator (``fxshard.rules.validate``): each simulated rank runs the localized
+  op on its local pieces and the pieces of the outputs must reassemble the global outputs.
 * The traced training graphs keep the fused kernels (no attention, layer-norm or GELU pieces).
 * Clean-up passes (no-op clones, view chains, traced layouts) keep values and work on 2-D meshes.
 * Numbers end to end: a vocab-split embedding with a padding row trains like the unsharded one.
@@ -12,7 +11,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+from typing import Optional
 
 import pytest
 import torch
@@ -20,7 +19,6 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 import fxshard
 from fxshard import P
@@ -29,83 +27,25 @@ from fxshard.passes.simplify import drop_noop_clones, fold_views
 from fxshard.passes.trace import FUSED_BACKWARD, FUSED_FORWARD, joint_decomposition_table, trace_forward
 from fxshard.placements import Part, R, S
 from fxshard.registry import lookup
+from fxshard.rules import validate
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
-from tests.test_rules import call_of, node_of, rnd, strategies, st_
+from tests.test_rules import node_of, rnd, strategies, st_
 
 aten = torch.ops.aten
 PS = Part("sum")
-N = 2  # simulated ranks
 
 
 # ----------------------------------------------------------------------------- strategy checker
 
 
-def _pieces(t: torch.Tensor, p: Any, gen: torch.Generator) -> list[torch.Tensor]:
-    """Every rank's piece of ``t`` under placement ``p`` (``P(sum)`` terms: random, summing to ``t``)."""
-    if p == R:
-        return [t] * N
-    if isinstance(p, S):
-        assert p.outer == 1
-        return [c.contiguous() for c in t.chunk(N, dim=p.dim)]
-    assert p == PS and t.is_floating_point()
-    terms = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for _ in range(N - 1)]
-    return terms + [t - sum(terms)]
-
-
-def _check_output(pieces: list[torch.Tensor], want: torch.Tensor, p: Any, what: str) -> None:
-    if p == R:
-        for x in pieces:
-            torch.testing.assert_close(x, want, msg=what)
-    elif isinstance(p, S):
-        torch.testing.assert_close(torch.cat(pieces, p.dim), want, msg=what)
-    else:
-        assert p == PS, what
-        torch.testing.assert_close(sum(pieces), want, atol=1e-4, rtol=1e-4, msg=what)
-
-
-def check_rule_numerics(node: fx.Node, values: dict[str, torch.Tensor], skip_lowered: bool = True) -> int:
-    """Run every strategy of ``node``'s rule on ``N`` simulated ranks against the global op.
-
-    ``values`` maps the node's tensor inputs (fx names) to real tensors. Returns the number of
-    strategies checked (lowered strategies need rank-dependent code and are checked end to end).
-    """
-    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    tensor_pos = [i for i, a in enumerate(flat) if isinstance(a, fx.Node) and a.name in values]
-
-    def run(ins: Sequence[torch.Tensor]) -> Any:
-        leaves = list(flat)
-        for i, t in zip(tensor_pos, ins):
-            leaves[i] = t
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        out = node.target(*args, **kwargs)
-        return list(out) if isinstance(out, (tuple, list)) else [out]
-
-    glob_ins = [values[flat[i].name] for i in tensor_pos]
-    want = run(glob_ins)
-    checked = 0
-    gen = torch.Generator().manual_seed(0)
-    for st in lookup(node.target)(call_of(node), N):
-        if st.lowering and skip_lowered:
-            continue
-        pieces = [_pieces(t, p, gen) for t, p in zip(glob_ins, st.inputs)]
-        per_rank = [run([pc[r] for pc in pieces]) for r in range(N)]
-        outs = st.output if isinstance(st.output, tuple) else (st.output,)
-        for j, (w, p) in enumerate(zip(want, outs)):
-            if p is None or w is None:
-                continue
-            _check_output([pr[j] for pr in per_rank], w, p, f"{node.target} {st} output {j}")
-        checked += 1
+def numerics(node: fx.Node, *tensors: torch.Tensor) -> int:
+    """How many strategies of ``node``'s rule the validator (``fxshard.rules.validate``) checked on 2
+    simulated ranks against the unsharded op; fails on any mismatch."""
+    checked, bad = validate.check_node(node, tensors)
+    assert not bad, [f"{m.strategy}: {m.error}" for m in bad]
     return checked
-
-
-def _values(node: fx.Node, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
-    from fxshard.registry import tensor_inputs
-
-    ins = tensor_inputs(node)
-    assert len(ins) == len(tensors)
-    return {n.name: t for n, t in zip(ins, tensors)}
 
 
 # ----------------------------------------------------------------------------- attention
@@ -150,11 +90,11 @@ def test_sdpa_rules_match_the_unsharded_kernels(mask):
     margs = (torch.randn(2, 1, 8, 8, generator=g),) if mask else ()
     fwd_fn, bwd_fn = (_sdpa_fwd_mask, _sdpa_bwd_mask) if mask else (_sdpa_fwd, _sdpa_bwd)
     fwd = node_of(fwd_fn, q, k, v, *margs, op=aten._scaled_dot_product_flash_attention_for_cpu.default)
-    assert check_rule_numerics(fwd, _values(fwd, q, k, v, *margs)) == 3
+    assert numerics(fwd, q, k, v, *margs) == 3
     o, lse = fwd_fn(q, k, v, *margs)
     bwd = node_of(bwd_fn, dout, q, k, v, o, lse, *margs,
                   op=aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-    assert check_rule_numerics(bwd, _values(bwd, dout, q, k, v, o, lse, *margs)) == 3
+    assert numerics(bwd, dout, q, k, v, o, lse, *margs) == 3
 
 
 # ----------------------------------------------------------------------------- layer norm
@@ -179,7 +119,7 @@ def test_layer_norm_backward_rule(mask):
     assert st_((S(1),) * 4 + (R, R), outs(S(1), PS, PS)) in s
     assert not any(i[0] == S(2) for i, _, _ in s)  # the normalized dim stays whole
     _, mean, rstd = aten.native_layer_norm(x, [8], w, b, 1e-5)
-    assert check_rule_numerics(node, _values(node, g, x, mean, rstd, w, b)) == 3
+    assert numerics(node, g, x, mean, rstd, w, b) == 3
 
 
 def test_layer_norm_backward_rule_without_affine():
@@ -193,7 +133,7 @@ def test_layer_norm_backward_rule_without_affine():
     node = node_of(f, g, x, op=aten.native_layer_norm_backward.default)
     assert st_((S(0),) * 4, (S(0), None, None)) in strategies(node)
     _, mean, rstd = aten.native_layer_norm(x, [8], None, None, 1e-5)
-    assert check_rule_numerics(node, _values(node, g, x, mean, rstd)) == 3
+    assert numerics(node, g, x, mean, rstd) == 3
 
 
 # ----------------------------------------------------------------------------- activation backward
@@ -219,7 +159,7 @@ def test_activation_backward_is_pointwise_and_linear_in_the_gradient(fn, op):
     assert st_((PS, R), PS) in s  # linear in the incoming gradient
     assert (R, PS) not in {i for i, _, _ in s} and (PS, PS) not in {i for i, _, _ in s}
     second = x if op not in (aten.sigmoid_backward.default, aten.tanh_backward.default) else torch.sigmoid(x)
-    assert check_rule_numerics(node, _values(node, g, second)) == len(s)
+    assert numerics(node, g, second) == len(s) + 1  # and the strided split S(1, outer=2) of dim 1 (8)
 
 
 # ----------------------------------------------------------------------------- embedding backward
@@ -238,12 +178,12 @@ def test_embedding_dense_backward_rule():
     assert st_((R, R), S(0), "masked_embedding_backward") in s  # vocab split: this rank's rows only
     assert st_((PS, R), PS) in s  # linear in the gradient
     assert not any(i[1] != R for i, _, _ in s)  # split tokens are gathered (see rules/embedding.py)
-    assert check_rule_numerics(node, _values(node, g, idx)) == 3
+    assert numerics(node, g, idx) == 4  # the masked vocab-split accumulation included
     # scale_grad_by_freq counts tokens per row: no masked lookup (misses would be counted for row 0)
     node = node_of(_emb_bwd(3, True), g, idx, op=aten.embedding_dense_backward.default)
     s = strategies(node)
     assert not any(lw for _, _, lw in s) and st_((PS, R), PS) in s
-    assert check_rule_numerics(node, _values(node, g, idx)) == len(s)
+    assert numerics(node, g, idx) == len(s)
 
 
 def _embedding_train(rank: int, world: int, vocab: int, padding_idx: Optional[int]) -> dict:

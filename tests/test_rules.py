@@ -98,7 +98,6 @@ def test_every_rule_family_is_registered():
                aten.embedding.default, aten.gather.default, aten.full.default, aten.convolution.default,
                aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert op in registered_ops()
-    assert lookup(aten.flip.default) is None  # used as the "no rule" op in test_errors.py
 
 
 def test_registering_an_op_twice_raises():
@@ -278,6 +277,53 @@ def test_reductions_without_partial_form():
     s = strategies(node_of(lambda x: x.cumsum(1), rnd(4, 8)))
     assert st_((S(0),), S(0)) in s
     assert not any(i == (S(1),) for i, _, _ in s)  # the scanned dim stays whole
+
+
+def test_ops_along_dims_keep_the_other_dims_splittable():
+    """Sorts, scans, flips, FFTs and reductions with indices need only the dims they work along whole."""
+    x = rnd(4, 6, 8)
+    s = strategies(node_of(lambda x: torch.sort(x, -1), x, op=aten.sort.default))
+    assert st_((S(0),), (S(0), S(0))) in s and st_((S(1),), (S(1), S(1))) in s
+    assert not any(i == (S(2),) for i, _, _ in s)
+    s = strategies(node_of(lambda x: torch.topk(x, 3, dim=1), x, op=aten.topk.default))
+    assert st_((S(2),), (S(2), S(2))) in s and not any(i == (S(1),) for i, _, _ in s)
+    s = strategies(node_of(lambda x: x.flip(0), x))
+    assert st_((S(2),), S(2)) in s and st_((PMAX,), PMAX) in s and not any(i == (S(0),) for i, _, _ in s)
+    s = strategies(node_of(lambda x: x.max(1), x, op=aten.max.dim))
+    assert st_((S(2),), (S(1), S(1))) in s  # keepdim=False renumbers the output dims
+    s = strategies(node_of(lambda x: torch.var_mean(x, 2), x, op=aten.var_mean.correction))
+    assert st_((S(1),), (S(1), S(1))) in s and not any(i == (S(2),) for i, _, _ in s)
+    s = strategies(node_of(lambda x: torch.fft.rfft(x, dim=1), x, op=aten._fft_r2c.default))
+    assert st_((S(0),), S(0)) in s and st_((PS,), PS) in s and not any(i == (S(1),) for i, _, _ in s)
+
+
+def test_vector_norm_over_a_split_dim_is_partial_for_reducible_orders():
+    x = rnd(4, 8)
+    norm = aten.linalg_vector_norm.default
+    assert st_((S(1),), PMAX) in strategies(node_of(lambda x: torch.linalg.vector_norm(x, float("inf"), 1), x, op=norm))
+    assert st_((S(1),), PS) in strategies(node_of(lambda x: torch.linalg.vector_norm(x, 1, 1), x, op=norm))
+    s = strategies(node_of(lambda x: torch.linalg.vector_norm(x, 2, 1), x, op=norm))
+    assert st_((S(0),), S(0)) in s and not any(i == (S(1),) for i, _, _ in s)  # sqrt of a sum of squares
+
+
+def test_index_tensor_splits_unindexed_dims_and_the_index():
+    x, idx = rnd(4, 6, 8), torch.tensor([[0, 2], [1, 3], [0, 0]])  # idx [3, 2]
+    s = strategies(node_of(lambda x, i: x[:, i], x, idx, op=aten.index.Tensor))  # -> [4, 3, 2, 8]
+    assert st_((S(0), R), S(0)) in s and st_((S(2), R), S(3)) in s
+    assert st_((R, S(0)), S(1)) in s and st_((R, S(1)), S(2)) in s  # the index's dims land in its place
+    assert not any(i[0] == S(1) for i, _, _ in s)  # the indexed dim stays whole
+    assert st_((PMAX, R), PMAX) in s  # picking elements keeps any partial
+    s = strategies(node_of(lambda x, i: x[i, :, i], x, torch.tensor([0, 3]), op=aten.index.Tensor))  # -> [2, 6]
+    assert st_((S(1), R, R), S(1)) in s and st_((R, S(0), S(0)), S(0)) in s
+
+
+def test_scatter_writes_keep_the_other_dims_splittable():
+    x = rnd(4, 6)
+    s = strategies(node_of(lambda x, y: torch.slice_scatter(x, y, 1, 0, 3), x, rnd(4, 3)))
+    assert st_((S(0), S(0)), S(0)) in s and not any(i[0] == S(1) for i, _, _ in s)
+    assert st_((PS, PS), PS) in s
+    s = strategies(node_of(lambda x, y: torch.select_scatter(x, y, 0, 1), x, rnd(6)))
+    assert st_((S(1), S(0)), S(1)) in s
 
 
 # ----------------------------------------------------------------------------- views

@@ -2,7 +2,9 @@
 
 Requires: a redistributed graph (every op's inputs arrive as its strategy needs).
 Ensures: shape-carrying arguments (view/reshape/expand sizes, full-range slice
-ends on split dims) hold local sizes; ``sym_size`` of a split dim yields the
+ends on split dims, the batch size group norm takes, the input size an upsampling
+backward takes) hold local sizes; squeezes remove only dims of global size 1 (a
+rank's one-element piece of a split dim keeps its dim); ``sym_size`` of a split dim yields the
 global size again (so symbolic arithmetic in the graph stays global and is
 localized only where it becomes a shape); strategies that need rank-dependent
 code are lowered with this rank's coordinates baked in (masked embedding
@@ -32,7 +34,12 @@ aten = torch.ops.aten
 
 __all__ = ["localize", "runtime_device"]
 
-SHAPE_ARG_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
+# op -> position of an argument holding the op's (global) output shape
+SHAPE_ARG_OPS = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
+                 aten.upsample_bilinear2d_backward.default: 2, aten._upsample_bilinear2d_aa_backward.default: 2}
+# op -> {argument position: (tensor input, dim)}: an int argument holding the size of that input's dim
+SIZE_ARGS = {aten.native_group_norm.default: {3: (0, 0)}, aten.native_group_norm_backward.default: {5: (0, 0)}}
+SQUEEZE_OPS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:
@@ -238,14 +245,16 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             continue
         spec = node.meta.get(META_KEY)
         if node.target in SHAPE_ARG_OPS and isinstance(spec, Spec):
-            e = Emitter(g, node, {})
-            args = list(node.args)
-            args[1] = _local_sizes(e, list(args[1]), spec, ctx)
-            node.args = tuple(args)
+            i = SHAPE_ARG_OPS[node.target]
+            _set_arg(node, i, _local_sizes(Emitter(g, node, {}), list(node.args[i]), spec, ctx))
+        elif node.target in SIZE_ARGS:
+            _localize_size_args(node, ctx)
         elif node.target is aten.slice.Tensor:
             _localize_slice(node, ctx)
         elif node.target in (aten.split.Tensor, aten.split_with_sizes.default):
             _localize_split(node, ctx)
+        elif node.target in SQUEEZE_OPS:
+            _localize_squeeze(node)
         _lower(g, node, ctx)
     gm.recompile()
     return gm
@@ -268,6 +277,31 @@ def _globalize_size(g: fx.Graph, node: fx.Node, spec: Spec, ctx: ShardContext) -
         f *= glob
     if f > 1:
         _follow_with(g, node, operator.mul, f)
+
+
+def _localize_size_args(node: fx.Node, ctx: ShardContext) -> None:
+    ins = tensor_inputs(node)
+    for i, (t, d) in SIZE_ARGS[node.target].items():
+        spec = ins[t].meta.get(META_KEY)
+        if isinstance(spec, Spec) and shard_factor(spec.placements, ctx.mesh.sizes, d) > 1:
+            local = spec.local_shape(ctx.mesh.sizes, ctx.mesh.coords)[d]
+            if not is_concrete(local):
+                raise ShardingError(f"{node.name}: {node.target} needs a static size for its split dim {d}; "
+                                    f"give that dim a static size")
+            _set_arg(node, i, int(local))
+
+
+def _localize_squeeze(node: fx.Node) -> None:
+    """Squeeze exactly the dims of global size 1: an uneven piece of one element must keep its dim."""
+    src = tensor_inputs(node)[0].meta.get(META_KEY)
+    if not isinstance(src, Spec) or all(p == R for p in src.placements):
+        return
+    ndim = src.ndim
+    asked = range(ndim) if node.target is aten.squeeze.default else (
+        [node.args[1]] if node.target is aten.squeeze.dim else node.args[1])
+    dims = sorted({norm_dim(d, max(ndim, 1)) for d in asked})
+    node.target = aten.squeeze.dims
+    node.args = (node.args[0], [d for d in dims if d < ndim and is_concrete(src.shape[d]) and int(src.shape[d]) == 1])
 
 
 def _localize_slice(node: fx.Node, ctx: ShardContext) -> None:

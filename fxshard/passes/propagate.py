@@ -34,7 +34,7 @@ from ..spec import META_KEY, Spec, fmt_placements, shard_factor, split_ok
 from ..symbolic import is_concrete, sym_shape
 from .trace import source_line
 
-__all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
+__all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of", "strategy_valid", "out_specs"]
 
 IN_KEY = "fxshard_in"
 STRATEGY_KEY = "fxshard_strategy"
@@ -149,7 +149,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             cands = rule(call, sizes[a]) if rule is not None else [replicate_all(call)]
             best, best_cost = None, float("inf")
             for st in cands:
-                if not _valid(st, chosen, in_specs, out_shape, sizes, k, uneven):
+                if not strategy_valid(st, chosen, in_specs, out_shape, sizes, k, uneven):
                     continue
                 c = sum(cost_of(i, s.placements[a], p, a) for i, s, p in zip(ins, in_specs, st.inputs))
                 if c < best_cost:
@@ -165,7 +165,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                     avail.setdefault((i.name, a), set()).add(p)
         node.meta[STRATEGY_KEY] = tuple(chosen)
         node.meta[IN_KEY] = [tuple(st.inputs[i] for st in chosen) for i in range(len(ins))]
-        node.meta[META_KEY] = _out_specs(node, chosen, out_shape)
+        node.meta[META_KEY] = out_specs(node, chosen, out_shape)
     _refine(gm, ctx)
     return gm
 
@@ -239,7 +239,7 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
                               [s.dtype for s in in_specs])
                 best, best_cost = None, float("inf")
                 for st in rule(call, sizes[a]):
-                    if st.output != want[a] or not _valid(st, chosen, in_specs, spec.shape, sizes, k,
+                    if st.output != want[a] or not strategy_valid(st, chosen, in_specs, spec.shape, sizes, k,
                                                           allows_uneven(node.target)):
                         continue
                     c = sum(tc(x, s.placements[a], p, a) for x, s, p in zip(ins, in_specs, st.inputs))
@@ -258,8 +258,10 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
             return
 
 
-def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int,
-           uneven: bool) -> bool:
+def strategy_valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int,
+                   uneven: bool) -> bool:
+    """Whether ``st``, on the axis after those ``chosen`` already has, leaves every input and output
+    split legally (dims divide, or are cut unevenly where the op's rule allows ``uneven``)."""
     for i, s in enumerate(in_specs):
         pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
         if not split_ok(s.shape, pls, sizes, uneven):
@@ -276,7 +278,9 @@ def _valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape
     return True
 
 
-def _out_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
+def out_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
+    """The node's output Spec (a tuple of them, None for non-tensors, for multi-output ops) under the
+    per-axis strategies ``chosen``."""
     val = node.meta["val"]
     if isinstance(val, torch.Tensor):
         return Spec(tuple(st.output for st in chosen), out_shape, val.dtype)

@@ -1,4 +1,8 @@
-"""Op rules, one module per op family; importing this package registers them all."""
+"""Op rules, one module per op family; importing this package registers them all.
 
-from . import attention, conv, embedding, factory, matmul, norm, pointwise, reduction, view  # noqa: F401
+``python -m fxshard.rules.validate --all-registered`` checks every strategy of every rule against
+the unsharded op on simulated ranks (``validate.py``; its hand-made samples: ``validate_samples.py``).
+"""
+
+from . import attention, conv, embedding, factory, indexing, matmul, norm, pointwise, pool, reduction, view  # noqa: F401
 from . import random  # noqa: F401

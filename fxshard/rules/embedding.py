@@ -112,3 +112,42 @@ def scatter_add_rule(call: OpCall, n: int) -> list[Strategy]:
         elif can_split(x[d], n) and str(x[d]) == str(index[d]) == str(src[d]):
             res.append(Strategy((S(d), S(d), S(d)), S(d)))
     return res
+
+
+def _max_indices(shape) -> object:
+    """``max`` mode's per-feature argmax indices ``[bags, D]`` follow a split of D; other modes' are 1-D."""
+    return S(1) if len(shape) == 2 else R
+
+
+@register(aten._embedding_bag.default, uneven=True)
+def embedding_bag_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``_embedding_bag(weight[V, D], indices, offsets, ..., per_sample_weights?, ...) -> (out[bags, D],
+    offset2bag, bag_size, max_indices)``: each feature column is pooled on its own, so D splits."""
+    k = len(call.in_shapes)
+    outs = call.out_shape
+    res = [Strategy((R,) * k, (R,) * len(outs))]
+    if can_split(call.in_shapes[0][1], n):
+        res.append(Strategy((S(1),) + (R,) * (k - 1), (S(1), R, R, _max_indices(outs[3]))))
+    return res
+
+
+@register(aten._embedding_bag_backward.default, uneven=True)
+def embedding_bag_backward_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``_embedding_bag_backward(grad[bags, D], indices, offsets, offset2bag, bag_size, max_indices,
+    num_weights, ...) -> [V, D]``: the forward's split of D."""
+    k = len(call.in_shapes)
+    res = [Strategy((R,) * k, R)]
+    if can_split(call.in_shapes[0][1], n):
+        res.append(Strategy((S(1),) + (R,) * 4 + (_max_indices(call.in_shapes[5]),) + (R,) * (k - 6), S(1)))
+    return res
+
+
+@register(aten._embedding_bag_per_sample_weights_backward.default, uneven=True)
+def embedding_bag_weights_backward_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``(grad[bags, D], weight[V, D], indices, offsets, offset2bag, mode, padding_idx) -> [indices]``: a
+    sum over D, so split D gives this rank's terms."""
+    k = len(call.in_shapes)
+    res = [Strategy((R,) * k, R)]
+    if can_split(call.in_shapes[0][1], n):
+        res.append(Strategy((S(1), S(1)) + (R,) * (k - 2), Part()))
+    return res

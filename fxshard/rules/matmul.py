@@ -63,11 +63,20 @@ def _einsum_rule(call: OpCall, n: int) -> list[Strategy]:
 register(list(EINSUMS), _einsum_rule, uneven=True)
 
 
-@register(aten.addmm.default, uneven=True)
-def addmm_rule(call: OpCall, n: int) -> list[Strategy]:
-    """``bias + m1 @ m2``: the mm strategies, with the bias following the output placement."""
+# ``beta * bias + alpha * contraction``: the bias broadcasts into the output
+ADD_EINSUMS = {
+    aten.addmm.default: "mk,kn->mn",
+    aten.addmv.default: "mk,k->m",
+    aten.addbmm.default: "bmk,bkn->mn",
+    aten.baddbmm.default: "bmk,bkn->bmn",
+}
+
+
+@register(list(ADD_EINSUMS), uneven=True)
+def add_einsum_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``bias + contraction``: the contraction's strategies, with the bias following the output placement."""
     res = []
-    for st in einsum_strategies("mk,kn->mn", call, n, first=1):
+    for st in einsum_strategies(ADD_EINSUMS[call.node.target], call, n, first=1):
         bias = broadcast_placement(st.output, call.in_shapes[0], call.out_shape)
         res.append(Strategy((bias,) + st.inputs[1:], st.output))
     return res

@@ -46,3 +46,54 @@ def layer_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
         if can_split(x[d], n):
             res.append(Strategy((S(d),) * 4 + (R,) * (k - 4), out(S(d), Part(), Part())))
     return res
+
+
+@register(aten.native_group_norm.default, uneven=True)
+def group_norm_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``native_group_norm(x[N, C, *], w?, b?, N, C, HxW, groups, eps) -> (out, mean[N, G], rstd[N, G])``:
+    samples are normalized independently, so the batch splits."""
+    k = len(call.in_shapes)
+    res = [Strategy((R,) * k, (R, R, R))]
+    if can_split(call.in_shapes[0][0], n):
+        res.append(Strategy((S(0),) + (R,) * (k - 1), (S(0), S(0), S(0))))
+    return res
+
+
+@register(aten.native_group_norm_backward.default, uneven=True)
+def group_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``native_group_norm_backward(g, x, mean, rstd, w?, N, C, HxW, groups, output_mask)``: the batch
+    split gives ``grad_x`` split and the weight/bias gradients as this rank's terms (``P(sum)``)."""
+    k = len(call.in_shapes)
+    outs = call.out_shape
+
+    def out(*pls):
+        return tuple(p if o is not None else None for p, o in zip(pls, outs))
+
+    res = [Strategy((R,) * k, out(R, R, R))]
+    if can_split(call.in_shapes[1][0], n):
+        res.append(Strategy((S(0),) * 4 + (R,) * (k - 4), out(S(0), Part(), Part())))
+    return res
+
+
+@register(aten._native_batch_norm_legit_no_training.default, uneven=True)
+def batch_norm_inference_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``_native_batch_norm_legit_no_training(x[N, C, *], w?, b?, running_mean, running_var, momentum,
+    eps) -> (out, [0], [0])``: statistics are given per channel, so any dim but the channel dim splits."""
+    k = len(call.in_shapes)
+    res = [Strategy((R,) * k, (R, R, R))]
+    for d, size in enumerate(call.in_shapes[0]):
+        if d != 1 and can_split(size, n):
+            res.append(Strategy((S(d),) + (R,) * (k - 1), (S(d), R, R)))
+    return res
+
+
+@register(aten._native_batch_norm_legit_functional.default, uneven=True)
+def batch_norm_training_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``_native_batch_norm_legit_functional(x[N, C, *], w?, b?, running_mean[C], running_var[C], training,
+    momentum, eps) -> (out, save_mean[C], save_rstd[C], new_running_mean[C], new_running_var[C])``: each
+    channel's statistics are its own, so the channel dim splits (with every per-channel tensor)."""
+    k = len(call.in_shapes)
+    res = [Strategy((R,) * k, (R,) * 5)]
+    if len(call.in_shapes[0]) > 1 and can_split(call.in_shapes[0][1], n):
+        res.append(Strategy((S(1),) + (S(0),) * (k - 1), (S(1),) + (S(0),) * 4))
+    return res

@@ -29,7 +29,7 @@ from ..symbolic import Dim, equal
 aten = torch.ops.aten
 
 COPY = ("clone", "alias", "_to_copy", "detach", "lift_fresh_copy", "contiguous")
-LINEAR = ("add.Tensor", "sub.Tensor", "neg", "mul.Scalar", "div.Scalar", "where.self")
+LINEAR = ("add.Tensor", "sub.Tensor", "neg", "mul.Scalar", "div.Scalar", "where.self", "_conj", "_conj_physical")
 MUL = ("mul.Tensor",)
 DIV = ("div.Tensor",)
 GRAD = ("gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward")
@@ -41,7 +41,18 @@ NONLINEAR = (
     "logical_or logical_not logical_xor bitwise_and.Tensor bitwise_or.Tensor bitwise_not bitwise_xor.Tensor "
     "isnan isinf floor ceil round.default trunc fmod.Scalar fmod.Tensor remainder.Scalar remainder.Tensor "
     "floor_divide.default atan2.default hardtanh leaky_relu elu mish hardsigmoid hardswish softplus "
-    "masked_fill.Scalar masked_fill.Tensor"
+    "masked_fill.Scalar masked_fill.Tensor "
+    "acos acosh asin asinh atan atanh cosh sinh tan log10 erfc digamma lgamma polygamma i0 signbit angle "
+    "copysign.Tensor fmax fmin hypot nextafter igamma igammac ldexp.Tensor div.Tensor_mode round.decimals "
+    "frexp.Tensor polar complex "
+    "special_i0e special_i1 special_i1e special_ndtri special_erfcx special_zeta special_airy_ai "
+    "special_bessel_j0 special_bessel_j1 special_bessel_y0 special_bessel_y1 special_modified_bessel_i0 "
+    "special_modified_bessel_i1 special_modified_bessel_k0 special_modified_bessel_k1 "
+    "special_scaled_modified_bessel_k0 special_scaled_modified_bessel_k1 special_spherical_bessel_j0 "
+    "special_chebyshev_polynomial_t special_chebyshev_polynomial_u special_chebyshev_polynomial_v "
+    "special_chebyshev_polynomial_w special_shifted_chebyshev_polynomial_t special_shifted_chebyshev_polynomial_u "
+    "special_shifted_chebyshev_polynomial_v special_shifted_chebyshev_polynomial_w special_hermite_polynomial_h "
+    "special_hermite_polynomial_he special_laguerre_polynomial_l special_legendre_polynomial_p"
 ).split()
 
 
@@ -125,6 +136,8 @@ def pointwise_rule(kind: str):
     def rule(call: OpCall, n: int) -> list[Strategy]:
         k = len(call.in_shapes)
         out_shape = call.out_shape
+        if out_shape and isinstance(out_shape[0], tuple):  # several outputs of one shape (frexp)
+            return [Strategy(st.inputs, (st.output,) * len(out_shape)) for st in rule(_first_output(call), n)]
         strategies = [Strategy(all_r(k), R)]
         strategies += split_strategies(call, n, out_shape, range(k))
         if kind == "copy":
@@ -145,6 +158,10 @@ def pointwise_rule(kind: str):
 
     rule.__name__ = f"pointwise_{kind}"
     return rule
+
+
+def _first_output(call: OpCall) -> OpCall:
+    return OpCall(call.node, call.in_shapes, call.in_pls, call.out_shape[0], call.in_dtypes)
 
 
 for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("grad", GRAD),

@@ -1,14 +1,21 @@
-"""Reductions over dims: a split reduced dim becomes a Partial of the matching op.
+"""Ops that work along some dims and independently along the others, as one table: reductions,
+scans, sorts, flips, FFTs.
 
-Table: op -> (which Partial a split reduced dim yields, which Partial input the
-op keeps). ``mean`` yields ``P(sum)`` through a lowering that divides the local
-sum by the global count. Ops whose split reduced dims have no Partial form
-(``var``, ``any``, ``argmax``...) only reduce over unsplit dims.
+Each op has a :class:`Reduce` entry: where its dims and ``keepdim`` arguments are, which Partial a
+split reduced dim yields (``sum`` for sums, ``max`` for maxima...; ``mean`` yields ``P(sum)`` through
+a lowering that divides the local sum by the global count; ``None`` when the reduction has no
+Partial form, like ``var`` or ``argmax``: then reduced dims stay whole), which Partial inputs pass
+through (those the op is linear or monotone in), and how many outputs it has (``max.dim`` gives
+values and indices). A scan (``cumsum``, ``sort``, ``flip``, an FFT) keeps every dim (``unfold`` adds
+one at the end) and only needs the dims it works along whole. The other dims may always be split,
+evenly or not: each rank works on its own slice.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -18,42 +25,90 @@ from ..spec import can_split
 
 aten = torch.ops.aten
 
-# op -> (partial produced by splitting a reduced dim, partial op the reduction passes through)
-REDUCTIONS: dict = {
-    aten.sum.dim_IntList: ("sum", "sum"),
-    aten.sum.default: ("sum", "sum"),
-    aten.mean.dim: ("sum", "sum"),
-    aten.mean.default: ("sum", "sum"),
-    aten.amax.default: ("max", "max"),
-    aten.amin.default: ("min", "min"),
-    aten.var.correction: (None, None),
-    aten.var.dim: (None, None),
-    aten.any.dim: (None, None),
-    aten.any.dims: (None, None),
-    aten.any.default: (None, None),
-    aten.argmax.default: (None, None),
-    aten.argmin.default: (None, None),
-    aten.prod.dim_int: (None, None),
-    aten.cumsum.default: (None, None),
+ALL = None  # the reduction covers every dim
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """How one op reads its arguments and what it admits (see module doc).
+
+    ``dim``: (positional index or None when keyword-only, keyword, default) of the dims argument, or
+    ``ALL``; a default of None means every dim. ``keepdim``: (positional index or None, keyword).
+    """
+
+    partial: Optional[str] = None
+    keep: tuple[str, ...] = ()
+    dim: Optional[tuple[Optional[int], str, Any]] = (1, "dim", None)
+    keepdim: tuple[Optional[int], str] = (2, "keepdim")
+    scan: bool = False
+    outs: int = 1
+    lowering: Optional[str] = None
+
+
+ANY = ("sum", "max", "min")
+SUM = Reduce("sum", ("sum",))
+WITH_INDEX = Reduce(outs=2)  # (values, indices) over one dim
+
+
+def scan(dim: tuple = (1, "dim", None), keep: tuple[str, ...] = (), outs: int = 1) -> Reduce:
+    return Reduce(dim=dim, keepdim=(None, ""), scan=True, keep=keep, outs=outs)
+
+
+REDUCTIONS: dict[Any, Reduce] = {
+    aten.sum.dim_IntList: SUM,
+    aten.sum.default: Reduce("sum", ("sum",), dim=ALL),
+    aten.mean.dim: Reduce("sum", ("sum",), lowering="mean_as_sum"),
+    aten.mean.default: Reduce("sum", ("sum",), dim=ALL, lowering="mean_as_sum"),
+    aten.amax.default: Reduce("max", ("max",)),
+    aten.amin.default: Reduce("min", ("min",)),
+    aten.max.default: Reduce("max", ("max",), dim=ALL),
+    aten.min.default: Reduce("min", ("min",), dim=ALL),
+    aten.var.correction: Reduce(keepdim=(None, "keepdim")),  # var.correction(x, dim=None, *, correction, keepdim)
+    aten.var_mean.correction: Reduce(keepdim=(None, "keepdim"), outs=2),
+    aten.var.dim: Reduce(keepdim=(3, "keepdim")),  # var.dim(x, dim, unbiased=True, keepdim=False)
+    aten.any.dim: Reduce(),
+    aten.any.dims: Reduce(),
+    aten.any.default: Reduce(dim=ALL),
+    aten.argmax.default: Reduce(),
+    aten.argmin.default: Reduce(),
+    aten.prod.dim_int: Reduce(),
+    aten.max.dim: WITH_INDEX,
+    aten.min.dim: WITH_INDEX,
+    aten.median.dim: WITH_INDEX,
+    aten.nanmedian.dim: WITH_INDEX,
+    aten.mode.default: Reduce(dim=(1, "dim", -1), outs=2),
+    aten.kthvalue.default: Reduce(dim=(2, "dim", -1), keepdim=(3, "keepdim"), outs=2),  # (x, k, dim, keepdim)
+    aten.linalg_vector_norm.default: Reduce(dim=(2, "dim", None), keepdim=(3, "keepdim")),  # (x, ord, dim, keepdim)
+    aten.cumsum.default: scan(keep=("sum",)),
+    aten.cumprod.default: scan(),
+    aten.logcumsumexp.default: scan(),
+    aten.cummax.default: scan(outs=2),
+    aten.cummin.default: scan(outs=2),
+    aten.sort.default: scan((1, "dim", -1), outs=2),
+    aten.sort.stable: scan((None, "dim", -1), outs=2),  # sort.stable(x, *, stable, dim=-1, descending)
+    aten.topk.default: scan((2, "dim", -1), outs=2),  # topk(x, k, dim=-1, largest, sorted)
+    aten.flip.default: scan((1, "dims", None), keep=ANY),
+    aten.unfold.default: scan((1, "dimension", None), keep=ANY),  # adds the window dim at the end
+    aten._fft_r2c.default: scan(keep=("sum",)),
+    aten._fft_c2c.default: scan(keep=("sum",)),
+    aten._fft_c2r.default: scan(keep=("sum",)),
 }
-SCAN = {aten.cumsum.default}  # keep the dim; only the scanned dim must stay whole
+
+# linalg_vector_norm over a split dim: the orders whose norm is a plain reduction of per-rank norms
+_NORM_PARTIAL = {math.inf: "max", -math.inf: "min", 1.0: "sum", 0.0: "sum"}
 
 
-def reduced_dims(call: OpCall) -> tuple[list[int], bool]:
+def reduced_dims(call: OpCall, spec: Reduce) -> tuple[list[int], bool]:
     """(reduced dims, keepdim) read from the node's arguments."""
     ndim = len(call.in_shapes[0])
-    t = call.node.target
-    a = call.node.args
-    kw = call.node.kwargs
-    if t in (aten.sum.default, aten.mean.default, aten.any.default):
+    if spec.dim is ALL:
         return list(range(ndim)), False
-    if t in SCAN:
-        return norm_dims(a[1], ndim), True
-    dims = a[1] if len(a) > 1 else kw.get("dim")
-    keep = a[2] if len(a) > 2 and isinstance(a[2], bool) else kw.get("keepdim", False)
-    if t is aten.var.correction:
-        keep = kw.get("keepdim", a[3] if len(a) > 3 else False)
-    return norm_dims(dims, ndim), bool(keep)
+    i, name, default = spec.dim
+    dims = call.arg(i, name, default) if i is not None else call.kwargs.get(name, default)
+    keep_i, keep_name = spec.keepdim
+    keep = spec.scan or bool(call.arg(keep_i, keep_name, False) if keep_i is not None else
+                             call.kwargs.get(keep_name, False))
+    return norm_dims(dims, ndim), keep
 
 
 def out_dim(d: int, dims: list[int], keep: bool) -> Optional[int]:
@@ -62,26 +117,30 @@ def out_dim(d: int, dims: list[int], keep: bool) -> Optional[int]:
     return d if keep else d - sum(1 for r in dims if r < d)
 
 
+def _partial_of(call: OpCall, spec: Reduce) -> Optional[str]:
+    if call.node.target is aten.linalg_vector_norm.default:
+        return _NORM_PARTIAL.get(float(call.arg(1, "ord", 2)))
+    return spec.partial
+
+
 @register(list(REDUCTIONS), uneven=True)
 def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
-    split_partial, keep_partial = REDUCTIONS[call.node.target]
-    dims, keep = reduced_dims(call)
-    k = len(call.in_shapes)
-    rest = (R,) * (k - 1)
-    shape = call.in_shapes[0]
-    res = [Strategy((R,) + rest, R)]
+    spec = REDUCTIONS[call.node.target]
+    split_partial = _partial_of(call, spec)
+    dims, keep = reduced_dims(call, spec)
+    rest = (R,) * (len(call.in_shapes) - 1)
+    out = (lambda p: (p,) * spec.outs) if spec.outs > 1 else (lambda p: p)
+    res = [Strategy((R,) + rest, out(R))]
     cur = call.in_pls[0]
-    for d, size in enumerate(shape):
+    for d, size in enumerate(call.in_shapes[0]):
         outers = {1} | ({cur.outer} if isinstance(cur, S) and cur.dim == d else set())
         for o in sorted(outers):
             if not can_split(size, n, o):
                 continue
-            if d in dims and call.node.target not in SCAN:
-                if split_partial is not None:
-                    lowering = "mean_as_sum" if call.node.target in (aten.mean.dim, aten.mean.default) else None
-                    res.append(Strategy((S(d, o),) + rest, Part(split_partial), lowering))
-            elif d not in dims:
-                res.append(Strategy((S(d, o),) + rest, S(out_dim(d, dims, keep), o)))
-    if keep_partial is not None:
-        res.append(Strategy((Part(keep_partial),) + rest, Part(keep_partial)))
+            if d not in dims:
+                res.append(Strategy((S(d, o),) + rest, out(S(out_dim(d, dims, keep), o))))
+            elif not spec.scan and split_partial is not None:
+                res.append(Strategy((S(d, o),) + rest, out(Part(split_partial)), spec.lowering))
+    for op in spec.keep:
+        res.append(Strategy((Part(op),) + rest, out(Part(op))))
     return res

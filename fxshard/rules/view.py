@@ -135,7 +135,9 @@ def _mapped_rule(mapper: Callable[[OpCall, S, int], Optional[S]]):
         rest = (R,) * (k - 1)
         res = [Strategy((R,) + rest, R)]
         pad_value = call.node.args[2] if call.node.target is aten.constant_pad_nd.default and len(call.node.args) > 2 else 0
-        for op in ("sum", "max", "min") if pad_value == 0 else ():
+        val = call.node.meta.get("val")
+        complex_ = any(dt.is_complex for dt in call.in_dtypes) or (isinstance(val, torch.Tensor) and val.is_complex())
+        for op in (("sum",) if complex_ else ("sum", "max", "min")) if pad_value == 0 else ():
             res.append(Strategy((Part(op),) + rest, _multi(call, Part(op))))
         cur = call.in_pls[0]
         for d, size in enumerate(call.in_shapes[0]):
@@ -244,6 +246,29 @@ def _pad(call: OpCall, p: S, n: int) -> Optional[S]:
     return None if p.dim >= len(call.in_shapes[0]) - npad else p
 
 
+def _diagonal(call: OpCall, p: S, n: int) -> Optional[S]:
+    """``diagonal(x, offset, dim1, dim2)``: the other dims keep their order, the diagonal goes last."""
+    ndim = len(call.in_shapes[0])
+    d1, d2 = (norm_dim(call.arg(i, k, dflt), ndim) for i, k, dflt in ((2, "dim1", 0), (3, "dim2", 1)))
+    rest = [d for d in range(ndim) if d not in (d1, d2)]
+    return S(rest.index(p.dim), p.outer) if p.dim in rest else None
+
+
+def _view_as_real(call: OpCall, p: S, n: int) -> Optional[S]:
+    return p  # [..., 2] appended
+
+
+def _view_as_complex(call: OpCall, p: S, n: int) -> Optional[S]:
+    return p if p.dim < len(call.in_shapes[0]) - 1 else None  # the trailing [2] goes
+
+
+def _repeat(call: OpCall, p: S, n: int) -> Optional[S]:
+    """``repeat(x, repeats)``: a split dim survives where it is repeated once (leading dims may be added)."""
+    repeats = call.node.args[1]
+    d = p.dim + len(repeats) - len(call.in_shapes[0])
+    return S(d, p.outer) if repeats[d] == 1 else None
+
+
 VIEW_OPS = {
     _view: [aten.view.default, aten._unsafe_view.default, aten.reshape.default],
     _expand: [aten.expand.default],
@@ -255,6 +280,10 @@ VIEW_OPS = {
     _split: [aten.split.Tensor, aten.split_with_sizes.default],
     _unbind: [aten.unbind.int],
     _pad: [aten.constant_pad_nd.default],
+    _diagonal: [aten.diagonal.default],
+    _view_as_real: [aten.view_as_real.default],
+    _view_as_complex: [aten.view_as_complex.default],
+    _repeat: [aten.repeat.default],
 }
 for _mapper, _ops in VIEW_OPS.items():
     register(_ops, _mapped_rule(_mapper), uneven=True)

@@ -1,0 +1,127 @@
+"""Regression tests for wrong results and crashes the OpInfo sweep (``test_opinfo.py``) and the rule
+validator (``fxshard.rules.validate``) found: plans on the fake process group, numbers in one
+2-rank spawn."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxshard
+from fxshard import P
+from fxshard.placements import R, S
+from fxshard.rules import validate
+from fxshard.spec import split_ok
+from tests.dist_utils import run_ranks
+
+aten = torch.ops.aten
+
+
+class _LayerNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, [8])
+
+
+class _Squeeze(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.squeeze(x) * 2
+
+
+class _Short(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.short() * 3
+
+
+class _BatchNormUpdate(nn.Module):
+    """Batch norm that updates its running statistics in the forward, as the op itself does; its traced
+    backward reads those statistics (``batch_norm_backward`` takes them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.ones(5)), nn.Parameter(torch.zeros(5))
+        self.register_buffer("mean", torch.zeros(5))
+        self.register_buffer("var", torch.ones(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return aten._batch_norm_with_update(x, self.weight, self.bias, self.mean, self.var, 0.5, 1e-5)[0]
+
+
+def _grad_of(model: nn.Module, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
+    x = x.detach().clone().requires_grad_()
+    (model(x) * cot).sum().backward()
+    return x.grad
+
+
+def _cases(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    gen = torch.Generator().manual_seed(0)
+    res = {}
+
+    # layer-norm backward with its saved mean/rstd cut to this rank's columns by a local slice: the CPU
+    # kernel reads them as contiguous, so a strided slice gave wrong gradients (off by ~50)
+    x, cot = torch.randn(4, 6, 8, generator=gen), torch.randn(4, 6, 8, generator=gen)
+    sm = fxshard.shard(_LayerNorm(), mesh, example_inputs=(x.clone().requires_grad_(),), out_specs=P(None, "tp"))
+    got = _grad_of(sm, x, cot.chunk(world, 1)[rank])
+    res["layer_norm_grad"] = (got - _grad_of(_LayerNorm(), x, cot)).abs().max().item()
+
+    # squeeze of every size-1 dim on a batch of 3 split 2 + 1: rank 1's piece must keep its batch dim
+    x = torch.randn(3, 1, 4, generator=gen)
+    sm = fxshard.shard(_Squeeze(), mesh, example_inputs=(x,), in_specs=(P("tp"),))
+    res["squeeze"] = (sm(x.chunk(world, 0)[rank]) - _Squeeze()(x)).abs().max().item()
+
+    # int16 values gathered: gloo has no int16 collectives
+    x = torch.randn(6, 5, generator=gen) * 100
+    sm = fxshard.shard(_Short(), mesh, example_inputs=(x,), in_specs=(P("tp"),))
+    res["int16"] = torch.equal(sm(x.chunk(world, 0)[rank]), _Short()(x))
+
+    # training through a buffer updated in place that the backward reads: the saved buffer was the
+    # tensor the module then overwrote, so backward failed autograd's version check
+    x, cot = torch.randn(6, 5, 3, generator=gen), torch.randn(6, 5, 3, generator=gen)
+    ref, sm = _BatchNormUpdate(), fxshard.shard(_BatchNormUpdate(), mesh, example_inputs=(x.clone().requires_grad_(),),
+                                                in_specs=(P("tp"),), out_specs=P("tp"))
+    want = _grad_of(ref, x, cot)
+    got = _grad_of(sm, x.chunk(world, 0)[rank], cot.chunk(world, 0)[rank])
+    res["batch_norm_grad"] = (got - want.chunk(world, 0)[rank]).abs().max().item()
+    res["batch_norm_stats"] = max((sm.mean - ref.mean).abs().max().item(), (sm.var - ref.var).abs().max().item())
+    return res
+
+
+def test_fixed_cases_match_eager_on_two_ranks():
+    for res in run_ranks(_cases, 2):
+        assert res["layer_norm_grad"] <= 1e-5, res
+        assert res["squeeze"] == 0.0, res
+        assert res["int16"], res
+        assert res["batch_norm_grad"] <= 1e-5 and res["batch_norm_stats"] <= 1e-5, res
+
+
+def test_local_slices_of_inner_dims_are_contiguous(mesh2):
+    """The layer-norm case above, as a plan: the slice of mean/rstd on dim 1 is copied contiguous."""
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    sm = fxshard.shard(_LayerNorm(), mesh2, example_inputs=(x,), out_specs=P(None, "tp"))
+    bwd = sm._training.bwd.gm.graph
+    slices = [n for n in bwd.nodes if n.target is aten.slice.Tensor and n.args[1] == 1]
+    assert slices and all(any(u.target is aten.clone.default for u in n.users) for n in slices)
+
+
+def test_squeeze_keeps_a_split_dim_of_one_local_element(fake_mesh):
+    mesh = fake_mesh(2, rank=1)  # rank 1 holds one of the 3 rows
+    x = torch.randn(3, 1, 4)
+    sm = fxshard.shard(_Squeeze(), mesh, example_inputs=(x,), in_specs=(P("tp"),))
+    sq = [n for n in sm._fwd.gm.graph.nodes if n.target in (aten.squeeze.dims, aten.squeeze.default)]
+    assert [list(n.args[1]) for n in sq] == [[1]]  # only the dim that has one element globally
+    assert sm(torch.randn(1, 1, 4)).shape == (3, 4)
+
+
+def test_var_dim_reads_keepdim_after_unbiased():
+    """``var.dim(x, dim, unbiased, keepdim)``: the rule took ``unbiased`` for ``keepdim``, so a split of
+    a later dim was placed one dim too far right (a dim the output does not have)."""
+    x = torch.randn(4, 5, 6)
+    for args in ((x, [1], True), (x, [1], True, True), (x, [0], False, False)):
+        checked, bad = validate.check_call(aten.var.dim, args)
+        assert checked >= 3 and not bad, bad
+
+
+def test_split_ok_rejects_a_dim_the_tensor_does_not_have():
+    assert not split_ok((4, 5), (S(2),), (2,))
+    assert split_ok((4, 6), (S(1),), (2,)) and split_ok((4, 6), (R,), (2,))
