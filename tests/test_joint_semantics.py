@@ -473,3 +473,10 @@ def test_index_put_with_a_boolean_mask_splits_no_dim_the_mask_covers():
 
     s = strategies(node_of(put, torch.randn(4, 8, 6), torch.rand(4, 8) > 0.5, torch.tensor(0.0)))
     assert {i[0] for i, _, _ in s} == {R, S(2)}, s
+
+
+def test_stop_gradients_cost_nothing_in_the_per_rank_programs(mesh2):
+    """The stop-gradient markers (alias nodes) of the traced forward are not emitted."""
+    sm = fxshard.shard(StopGrad("no_grad"), mesh2, {"b": ColwiseParallel()}, example_inputs=(torch.randn(4, 8),))
+    for gm in (sm._fwd.gm, sm._training.fwd.gm, sm._training.bwd.gm):
+        assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.alias.default], gm.code
