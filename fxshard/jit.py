@@ -303,7 +303,7 @@ class ShardedFunction:
             raise tracing_error(
                 f"{self.__name__} with make_fx (fake tensors, global shapes)", e,
                 "a jitted function must be pure tensor code: no data-dependent Python control flow, no "
-                ".item()/.tolist(), every tensor it reads passed as an argument") from e
+                ".item()/.tolist(), every tensor it reads passed as an argument") from None
         g = gm.graph
         paths = {n: l.path for n, l in zip([n for n in g.nodes if n.op == "placeholder"],
                                             [l for l in leaves if l.is_tensor])}

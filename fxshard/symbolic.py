@@ -37,7 +37,14 @@ def prod(xs: Iterable[Dim]) -> Dim:
     return int(out) if is_concrete(out) else sympy.expand(out)
 
 
+def _as_dim(x: Any) -> Any:
+    """A graph node standing for a SymInt (a size the data decides) as its sympy symbol."""
+    val = getattr(x, "meta", {}).get("val") if hasattr(x, "meta") else None
+    return sym_dim(val) if isinstance(val, (int, torch.SymInt)) else x
+
+
 def equal(a: Dim, b: Dim) -> bool:
+    a, b = _as_dim(a), _as_dim(b)
     if is_concrete(a) and is_concrete(b):
         return int(a) == int(b)
     return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0

@@ -7,7 +7,15 @@ under fake tensors (``make_fx``): backward ops are ordinary ATen ops, so the
 same rules shard them and the backward collectives fall out of propagation.
 Fused kernels that have rules (``trace.FUSED_FORWARD``/``FUSED_BACKWARD``:
 attention, layer-norm and activation backwards, embedding backward) stay one
-node each (``trace.joint_decomposition_table``).
+node each (``trace.joint_decomposition_table``) unless a gradient is wanted for
+an input their backward does not differentiate (``trace.FUSED_GRAD_ARGS``).
+The trace runs on functional tensors under autograd, as AOTAutograd does, so
+the graph is pure (no in-place op left for CSE or the passes to misread); the
+forward's stop-gradients (``trace.STOP_KEY``) detach; data-dependent sizes get
+unbacked symbols; placeholders keep the forward's names (clashing nodes are
+renamed). A failure is one ShardingError naming the op and the user's line
+(the forward node being run, or the one whose backward autograd reached last);
+a gradient through a collective the model itself calls is such an error.
 
 ``partition`` requires a sharded joint graph and ensures two GraphModules:
 forward ``primals -> (outputs..., saved...)`` holding exactly the nodes the
@@ -18,21 +26,29 @@ backward, and saved values are the forward nodes the backward reads).
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch._decomp import decomposition_table
+from torch._dispatch.python import enable_python_dispatcher
+from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.utils import _pytree as pytree
 
 from ..errors import ShardingError
 from ..collectives import INSERTED_KEY
 from ..memory import VIEW_OPS
 from ..registry import output_leaves
-from .trace import Traced, _cse, joint_decomposition_table
+from .trace import (FUSED_GRAD_ARGS, STOP_KEY, Traced, _cse, joint_decomposition_table, quiet_unless_ok, source_line,
+                    tracing_error)
 
 __all__ = ["Joint", "trace_joint", "partition", "Split"]
 
@@ -57,6 +73,79 @@ def _example(val: Any, mode: FakeTensorMode) -> Any:
     return val
 
 
+_COLLECTIVES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
+
+
+class _Differentiable(fx.Interpreter):
+    """Runs the traced forward so that autograd sees what eager autograd would see: stop-gradients
+    (``meta[STOP_KEY]``) detach, and a fused kernel whose backward does not cover every input that
+    needs a gradient (``FUSED_GRAD_ARGS``) runs as its decomposition (eager takes its math path).
+
+    ``at`` is the forward node being run, or the one whose backward autograd reached last: where a
+    failed trace points the user. A gradient reaching a collective the model issues itself raises."""
+
+    at: Optional[fx.Node] = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.at = n
+        if n.meta.get(STOP_KEY):
+            with self._set_current_node(n):
+                return self.env[n.args[0]].detach()
+        res = super().run_node(n)
+        fns = {id(t.grad_fn): t.grad_fn for t in pytree.tree_leaves(res)
+               if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for fn in fns.values():
+            fn.register_prehook(functools.partial(self._reached, n))
+        return res
+
+    def _reached(self, n: fx.Node, grad_outputs: Any) -> None:
+        self.at = n
+        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in _COLLECTIVES:
+            src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and "wait" in str(n.target) else n
+            raise ShardingError(
+                f"the model calls a torch.distributed collective ({src.target}) at {source_line(n) or n.name} on a "
+                f"value that needs a gradient; fxshard shards the single-device model itself and inserts the "
+                f"collectives that needs (forward and backward), so write the model for one device: drop the "
+                f"collective and shard the layer with the plan (e.g. RowwiseParallel() where you summed partial "
+                f"outputs). A collective under torch.no_grad() or on a .detach()-ed value is allowed (it runs as "
+                f"written, on every rank); see README, 'Collectives inside the model'")
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        covered = FUSED_GRAD_ARGS.get(target)
+        if covered is not None:
+            rest = [a for i, a in enumerate(args) if i not in covered] + list(kwargs.values())
+            if any(isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(rest)):
+                outs = decomposition_table[target](*args, **kwargs)
+                # the rest of the graph was traced on the fused kernel's output layout (views rely on it)
+                return type(outs)(_restride(o, v) for o, v in zip(outs, self.at.meta["val"]))
+        return super().call_function(target, args, kwargs)
+
+
+def _restride(t: Any, like: Any) -> Any:
+    """``t`` with the dense layout (dim order by stride) of ``like`` when both have the same shape."""
+    if not isinstance(t, torch.Tensor) or t.shape != like.shape or t.stride() == like.stride():
+        return t
+    order = sorted(range(t.dim()), key=lambda d: (-like.stride()[d], d))
+    back = [order.index(d) for d in range(t.dim())]
+    return t.permute(order).contiguous().permute(back)
+
+
+def _name_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
+    """``gm`` rebuilt with its placeholders named ``names`` (the forward's: p_net1_weight, ...) and
+    plain positional inputs; other nodes keep their names unless one clashes (then they get a suffix)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for ph, name in zip(old, names + [n.name for n in old[len(names):]]):
+        new = env[ph] = g.placeholder(name)
+        new.target = new.name  # the namespace may have suffixed a clashing name
+        new.meta = dict(ph.meta)
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            env[n] = g.node_copy(n, lambda a: env[a])
+    return fx.GraphModule(gm, g)
+
+
 def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) -> Joint:
     """See module doc; ``wants_grad[i]`` says whether primal ``i`` gets a gradient."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
@@ -73,16 +162,21 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
         with mode:
             tangents = [torch.empty_like(out_leaves[i].meta["val"]) for i in diff_out]
     else:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # a ShapeEnv gives data-dependent sizes (masked_select, a boolean index's backward) symbols
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
         primals = [_example(v, mode) for v in vals]
         tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
+        # functional tensors under autograd (as AOTAutograd traces): the backward formulas' in-place
+        # ops (copy_, relu_, ...) are functionalized too, so the joint graph is pure
+        primals = [to_fun(p) for p in primals]
+        tangents = [to_fun(t) for t in tangents]
         prim = [p.detach().requires_grad_(i in diff_in) if isinstance(p, torch.Tensor) and p.is_floating_point()
                 else p for i, p in enumerate(primals)]
         with fx_traceback.preserve_node_meta():  # joint nodes keep the forward's source lines
-            outs = fx.Interpreter(fwd_gm).run(*prim)
+            outs = interp.run(*prim)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
         pairs = [(outs[i], t) for i, t in zip(diff_out, tangents) if outs[i].requires_grad]
         inputs = [prim[i] for i in diff_in]
@@ -90,17 +184,33 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
             grads = torch.autograd.grad([o for o, _ in pairs], inputs, [t for _, t in pairs], allow_unused=True)
         else:
             grads = [None] * len(inputs)
-        return [o.detach() if isinstance(o, torch.Tensor) else o for o in outs], list(grads)
+        return ([from_fun(o.detach()) if isinstance(o, torch.Tensor) else o for o in outs],
+                [from_fun(g) for g in grads])
 
+    interp = _Differentiable(fwd_gm)
     table = joint_decomposition_table()  # core ATen, fused kernels that have rules kept
-    with torch.enable_grad():
-        gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(primals, tangents)
-    for ph, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], [n.name for n in placeholders]):
-        ph.name = name  # name primals after the forward's placeholders (p_net1_weight, ...)
+    try:
+        with quiet_unless_ok(), torch.enable_grad(), enable_python_dispatcher(), \
+                FunctionalTensorMode(_allow_token_discovery=True):
+            gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(
+                primals, tangents)
+    except ShardingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
+        at = interp.at
+        raise tracing_error(
+            f"the training graph (forward + backward){f' at {at.target}' if at is not None else ''}", e,
+            "if no gradient is needed there, compute it under torch.no_grad() or on .detach()-ed values; to shard "
+            "for inference only, set requires_grad=False on the parameters and example inputs",
+            where=(source_line(at) or at.name) if at is not None else None) from None
+    gm = _name_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
+        elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            raise ShardingError(f"internal: the functionalized joint graph still mutates ({n.format_node()}); "
+                                f"please report this model")
     gm = _cse(gm)
     return Joint(gm, len(primals), diff_out, diff_in, n_out)
 

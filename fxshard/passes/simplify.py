@@ -16,7 +16,9 @@ and ensures that no ``permute`` reads a ``permute`` (the two compose into one,
 or into nothing when they cancel) and no ``view`` reads a ``view`` (a view of a
 view of ``x`` is a view of ``x``: a tensor can be viewed as a shape exactly when
 its stride breaks fall on that shape's dim boundaries, and a view keeps the
-breaks of its base). Neither pass lets a graph output become a placeholder.
+breaks of its base), and no ``alias`` is left (in a functional graph an alias is
+its input; the traced forward keeps one where a stop-gradient was, see
+``passes/trace.py``). Neither pass lets a graph output become a placeholder.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ def fold_views(gm: fx.GraphModule) -> fx.GraphModule:
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
             continue
         a = n.args[0]
+        if n.target is aten.alias.default:
+            changed |= _replace(n, a)
+            continue
         base = a.args[0] if a.op == "call_function" and a.args else None
         if not (isinstance(base, fx.Node) and isinstance(base.meta.get("val"), torch.Tensor)):
             base = None  # fold only onto traced values (inserted nodes carry no value to reason about)

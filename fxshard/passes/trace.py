@@ -9,13 +9,19 @@ carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
 ``_softmax``/``_log_softmax`` are decomposed so a split softmax dim becomes
 Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused;
 shape assertions and no-op clones are dropped (the former refer to global sizes).
+Stop-gradients survive the decompositions: every value the model ``.detach()``-ed
+or computed under ``torch.no_grad()`` reaches its consumers through an
+``aten.alias`` node flagged ``meta[STOP_KEY]`` (``trace_joint`` detaches there).
 No real weight is allocated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -33,7 +39,7 @@ from .simplify import drop_noop_clones
 aten = torch.ops.aten
 
 __all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table", "joint_decomposition_table",
-           "FUSED_FORWARD", "FUSED_BACKWARD"]
+           "FUSED_FORWARD", "FUSED_BACKWARD", "FUSED_GRAD_ARGS", "STOP_KEY"]
 
 
 @dataclass
@@ -74,6 +80,11 @@ DROP = {
 FUSED_FORWARD = (
     aten._scaled_dot_product_flash_attention_for_cpu.default,  # rules/attention.py
 )
+# The positional arguments each fused forward's backward differentiates; a gradient wanted for any
+# other tensor argument (a learned attn_mask) makes the joint trace decompose that call instead.
+FUSED_GRAD_ARGS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 2),  # query, key, value
+}
 FUSED_BACKWARD = (
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,  # rules/attention.py
     aten.native_layer_norm_backward.default,  # rules/norm.py
@@ -97,7 +108,36 @@ def decomposition_table() -> Any:
         table.pop(op, None)
     table[aten._softmax.default] = _decomps._softmax
     table[aten._log_softmax.default] = _decomps._log_softmax
+    table[aten.index_fill.int_Tensor] = _index_fill
+    table[aten.index_fill.int_Scalar] = _index_fill
+    table[aten.copy.default] = _copy
     return table
+
+
+def _index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
+    """``index_fill`` as a ``where`` over a mask of the filled positions along ``dim``.
+
+    torch's own decomposition writes an expanded ``value`` with ``index_put``, whose backward sums the
+    gradient once per occurrence of a repeated index; eager's ``index_fill`` backward counts each
+    filled position once, and so does ``where``.
+    """
+    dim = dim % max(x.dim(), 1)
+    size = x.shape[dim] if x.dim() else 1
+    idx = index.reshape(-1)
+    idx = torch.where(idx < 0, idx + size, idx)
+    hit = (torch.arange(size, device=x.device).unsqueeze(1) == idx.unsqueeze(0)).any(1)
+    if x.dim():
+        hit = hit.reshape([size if d == dim else 1 for d in range(x.dim())])
+    else:
+        hit = hit.reshape(())
+    value = value if isinstance(value, torch.Tensor) else torch.scalar_tensor(value, dtype=x.dtype, device=x.device)
+    return torch.where(hit, value.to(x.dtype), x)
+
+
+def _copy(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """Functional ``copy`` (what ``x[..., :d].copy_(y)`` and ``x[:, i] = y`` export to): ``src`` cast to
+    ``x``'s dtype and broadcast to ``x``'s shape. autograd has no derivative for ``aten.copy``."""
+    return src.to(dtype=x.dtype, device=x.device).expand(x.shape).clone()
 
 
 def joint_decomposition_table() -> dict:
@@ -115,6 +155,52 @@ def joint_decomposition_table() -> dict:
     return table
 
 
+@torch.library.custom_op("fxshard::stop_gradient", mutates_args=())
+def _stop_gradient(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_stop_gradient.register_fake
+def _stop_gradient_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+_stop_gradient.register_autograd(lambda ctx, grad: None)
+_STOP = torch.ops.fxshard.stop_gradient.default
+STOP_KEY = "fxshard_stop_gradient"
+
+
+def _mark_stop_gradients(gm: fx.GraphModule) -> None:
+    """Route every ``detach`` and every output of a ``no_grad`` region (export's
+    ``wrap_with_set_grad_enabled(False, ...)``) through ``fxshard::stop_gradient``, an op the
+    decompositions keep (they turn ``detach`` into ``alias`` and inline the regions)."""
+    for mod in gm.modules():
+        if not isinstance(mod, fx.GraphModule):
+            continue
+        g = mod.graph
+        for n in list(g.nodes):
+            if n.op != "call_function":
+                continue
+            if n.target is aten.detach.default:
+                n.target = _STOP
+            elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled and n.args[0] is False:
+                for out in list(n.users):
+                    with g.inserting_after(out):
+                        stop = g.call_function(_STOP, (out,))
+                    stop.meta.update(out.meta)
+                    out.replace_all_uses_with(stop, delete_user_cb=lambda u, stop=stop: u is not stop)
+        mod.recompile()
+
+
+def _flag_stop_gradients(gm: fx.GraphModule) -> None:
+    """The markers become ``aten.alias`` nodes flagged ``meta[STOP_KEY]`` (see module doc)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is _STOP:
+            n.target = aten.alias.default
+            n.meta[STOP_KEY] = True
+    gm.recompile()
+
+
 class _RandomOps:
     """The op packets CSE must keep apart: any overload tagged ``nondeterministic_seeded``."""
 
@@ -124,8 +210,15 @@ class _RandomOps:
 
 
 def _cse(gm: fx.GraphModule) -> fx.GraphModule:
-    """Merge identical pure nodes (export repeats views per consumer), keeping node metadata."""
+    """Merge identical pure nodes (export repeats views per consumer), keeping node metadata.
+
+    Requires a functional graph: two equal nodes of a graph that mutates could hold different values
+    by the time they are read, so a graph with any in-place op is returned unchanged.
+    """
     from torch.fx.passes.dialect.common.cse_pass import CSEPass
+
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
+        return gm
 
     res = CSEPass(banned_ops=_RandomOps())(gm)  # two draws are two draws: never merge random ops
     out = res.graph_module if res.modified else gm
@@ -156,16 +249,71 @@ def _user_frame(exc: BaseException) -> str:
     return "unknown location"
 
 
-def tracing_error(what: str, e: BaseException, fix: str) -> ShardingError:
-    """One readable error for a failed trace: what was traced, the cause, the user's line, the fix."""
+_DATA_DEPENDENT = ("GuardOnDataDependentSymNode", "DataDependentOutputException", "DynamicOutputShapeException")
+
+
+def tracing_error(what: str, e: BaseException, fix: str, where: Optional[str] = None) -> ShardingError:
+    """One readable error for a failed trace: what was traced, the cause, the user's line (``where``, else
+    the innermost user frame of ``e``), the fix. Raise it ``from None``: torch's own traceback and graph
+    dumps say nothing the message does not (``__context__`` keeps them for debugging)."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return ShardingError(f"could not trace {what}: {type(e).__name__}: {msg} [at {_user_frame(e)}]; {fix}")
+    if type(e).__name__ in _DATA_DEPENDENT:
+        fix = ("a size or a Python branch there depends on tensor values, which one traced program for all "
+               "inputs cannot express; use torch.where for value-dependent choices (torch.where(cond, a, b) "
+               "instead of `if`, torch.where(mask, x, 0) instead of x[mask]), Python ints for sizes and split "
+               "points, or run that part outside the sharded module")
+    return ShardingError(f"could not trace {what}: {type(e).__name__}: {msg} [at {where or _user_frame(e)}]; {fix}")
 
 
-def _to_meta_like(x: Any, device: torch.device) -> Any:
-    if isinstance(x, torch.Tensor) and x.device != device:
-        return x.to(device)
-    return x
+@contextlib.contextmanager
+def quiet_unless_ok() -> Iterator[None]:
+    """Hold back what tracing prints to ``sys.stderr`` and logs through torch's loggers (torch prints a
+    failing graph's code once per nested GraphModule): replayed when the block succeeds, dropped when it
+    raises (the ShardingError says what matters)."""
+    buf = io.StringIO()
+    held: list[logging.LogRecord] = []
+    loggers = [logging.getLogger(n) for n in list(logging.Logger.manager.loggerDict) if n.split(".")[0] == "torch"]
+    handlers = list({id(h): h for lg in loggers for h in lg.handlers}.values())
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    for h in handlers:
+        h.addFilter(hold)
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    finally:
+        for h in handlers:
+            h.removeFilter(hold)
+    sys.stderr.write(buf.getvalue())
+    for record in held:
+        logging.getLogger(record.name).handle(record)
+
+
+def _on_device(args: Any, kwargs: Any, device: torch.device) -> tuple[Any, Any]:
+    """Example inputs on ``device``: real tensors are moved (meta ones to a meta model), meta tensors for a
+    real model become fake tensors on the model's device (export traces them; nothing is allocated)."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    if device.type != "meta" and any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in leaves):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+
+        def fake(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            with mode:
+                t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+            return t.requires_grad_(x.requires_grad) if x.is_floating_point() else t
+
+        return pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
+    if device.type == "meta":
+        move = lambda x: x.to(device) if isinstance(x, torch.Tensor) and x.device != device else x  # noqa: E731
+        return pytree.tree_map(move, args), pytree.tree_map(move, kwargs)
+    return args, kwargs
 
 
 @contextlib.contextmanager
@@ -212,22 +360,22 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     """
     if not isinstance(model, torch.nn.Module):
         raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
-    params = list(model.parameters())
-    if params and params[0].device.type == "meta":
-        dev = torch.device("meta")
-        args = pytree.tree_map(lambda x: _to_meta_like(x, dev), args)
-        kwargs = pytree.tree_map(lambda x: _to_meta_like(x, dev), kwargs)
+    tensors = list(model.parameters()) + list(model.buffers())
+    args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
     try:
-        with _boundary_hooks(model, boundaries):
-            ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes, strict=False)
-        ep = ep.run_decompositions(decomposition_table())
+        with quiet_unless_ok():
+            with _boundary_hooks(model, boundaries):
+                ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
+                                         strict=False)
+            _mark_stop_gradients(ep.graph_module)
+            ep = ep.run_decompositions(decomposition_table())
     except ShardingError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
         raise tracing_error(
             f"{type(model).__name__} with torch.export (non-strict)", e,
             "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on tensors) "
-            "or pass example_inputs matching forward's signature") from e
+            "or pass example_inputs matching forward's signature") from None
 
     gm = ep.graph_module
     sig = ep.graph_signature
@@ -283,6 +431,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
     gm = drop_noop_clones(_cse(gm))
+    _flag_stop_gradients(gm)
 
     flat, in_tree = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]

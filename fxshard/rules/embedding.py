@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 
 from ..placements import Part, R, S
 from ..registry import OpCall, Strategy, norm_dim, register
@@ -78,7 +79,9 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
     k = len(call.in_shapes)
     indices = call.node.args[1]
     accumulate = call.node.args[3] if len(call.node.args) > 3 else call.node.kwargs.get("accumulate", False)
-    n_idx = len(indices)
+    masks = [i.meta["val"].dim() for i in indices
+             if isinstance(i, fx.Node) and i.meta["val"].dtype in (torch.bool, torch.uint8)]
+    n_idx = len(indices) - len(masks) + sum(masks)  # a boolean mask indexes as many dims as it has
     n_tensor_idx = k - 2
     self_shape, values_shape = call.in_shapes[0], call.in_shapes[-1]
     idx_r = (R,) * n_tensor_idx
@@ -93,7 +96,7 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
         # the masked write zeroes the values rows of missed indices: values must have a row per index
         full = n_tensor_idx == 1 and len(values_shape) == len(call.in_shapes[1]) + len(self_shape) - 1 and all(
             equal(a, b) for a, b in zip(values_shape, tuple(call.in_shapes[1]) + tuple(self_shape[1:])))
-        if n_idx == 1 and full and can_split(self_shape[0], n):
+        if n_idx == 1 and not masks and full and can_split(self_shape[0], n):
             res.append(Strategy((S(0),) + idx_r + (R,), S(0), lowering="masked_index_put"))
     return res
 
