@@ -101,23 +101,7 @@ XFAIL: dict[str, XFail] = {
                                       r"forward mutates 'tensors_\d+' \(USER_INPUT_MUTATION\)"),
 }
 
-# Temporary: joint-graph bugs (fxshard/passes/joint.py, trace.py) that a parallel change fixes; the
-# lead removes these entries when merging it. Each: what goes wrong here.
-_INPLACE = "wrong gradients: in-place ops in the joint graph (not functionalized; CSE shares what they update)"
-_DATA_DEPENDENT = "internal error (not a ShardingError): a data-dependent size in the joint trace"
-_COPY = "internal error (not a ShardingError): 'derivative for aten::copy is not implemented' in the joint trace"
-JOINT: dict[str, str] = {
-    **{n: _INPLACE for n in (
-        "max.binary", "maximum", "min.binary", "minimum", "atanh", "native_group_norm", "ormqr",
-        "linalg.householder_product", "as_strided", "as_strided_copy", "as_strided_scatter",
-        "as_strided.partial_views", "nn.functional.linear_cross_entropy.chunked_none")},
-    "index_fill": "wrong gradient with repeated indices",
-    **{n: _DATA_DEPENDENT for n in ("combinations", "masked_select", "tensor_split")},
-    "index_put": _DATA_DEPENDENT + " (a bool mask)",
-    **{n: _COPY for n in ("diff", "nn.functional.pad.circular", "linalg.matrix_power")},
-    **{n: "wrong even unsharded: the decomposed backward gives NaN where eager's gives 0 (-inf inputs)"
-       for n in ("torch.ops.aten._safe_softmax.default", "special.log_ndtr")},
-}
+JOINT: dict[str, str] = {}
 
 SKIP: dict[str, str] = {
     **{n: "CUDA-only (jiterator): no CPU kernel" for n in (
