@@ -203,7 +203,7 @@ def main(argv=None) -> dict:
         for r in range(a.rounds):
             for s, cs in CONTENDERS.items():
                 for c in rotated(cs, r):
-                    raw[s][c].append(run_ranks(me._rank_main, 2, s, c, d, timeout=600))
+                    raw[s][c].append(run_ranks(me._rank_main, 2, s, c, d, timeout=600, fresh=True))
                     print(f"  round {r + 1}/{a.rounds}: {s} / {c} done", flush=True)
     full_small = (2 * SEED000["in_dim"] * SEED000["hidden"] + SEED000["in_dim"] + SEED000["hidden"]) * 4
     summary = {}

@@ -54,3 +54,12 @@ def fake_mesh() -> Iterator[Callable[..., DeviceMesh]]:
 def mesh2(fake_mesh) -> DeviceMesh:
     """A 1-D mesh ``tp=2`` on the fake process group, this process being rank 0."""
     return fake_mesh(2)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say how many rank processes the session's run_ranks calls started (see tests/dist_utils.py)."""
+    from tests.dist_utils import pool_summary
+
+    line = pool_summary()
+    if line:
+        terminalreporter.write_line(line)
