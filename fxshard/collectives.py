@@ -15,6 +15,7 @@ from typing import Any, Sequence, Union
 import torch
 import torch.fx as fx
 
+from .ir import COMM_KEY, INSERTED_KEY
 from .mesh import MeshInfo
 from .placements import Part, Pl, R, S
 from .spec import Spec, chunk, is_uneven, local_shape
@@ -25,8 +26,6 @@ c10d = torch.ops._c10d_functional
 
 __all__ = ["Emitter", "COMM_KEY", "INSERTED_KEY", "redistribute_nodes", "hint"]
 
-COMM_KEY = "fxshard_comm"
-INSERTED_KEY = "fxshard_inserted"
 
 Val = Union[int, fx.Node]
 

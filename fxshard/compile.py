@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .collectives import COMM_KEY
+from .ir import COMM_KEY, OpClass, is_op
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import ShardedModule
@@ -639,15 +639,10 @@ def overlap(sm: Any) -> Any:
     return sm
 
 
-_VIEWISH = {"view", "_unsafe_view", "permute", "expand", "reshape", "t", "transpose", "unsqueeze", "squeeze",
-            "slice", "select", "alias", "sym_size", "getitem"}
-
-
 def _is_compute(n: fx.Node) -> bool:
     if n.op != "call_function" or COMM_KEY in n.meta or n.target is _WAIT:
         return False
-    name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-    return name not in _VIEWISH
+    return not (is_op(n.target, OpClass.VIEW) or is_op(n.target, OpClass.SHAPE_ONLY))
 
 
 def overlap_report(sm: Any) -> list[dict]:

@@ -7,10 +7,9 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from .collectives import COMM_KEY, INSERTED_KEY
+from .ir import COMM_KEY, FALLBACK_KEY, INSERTED_KEY, META_KEY, STRATEGY_KEY
 from .module import Program
-from .passes.propagate import FALLBACK_KEY, STRATEGY_KEY
-from .spec import META_KEY, Spec
+from .spec import Spec
 
 __all__ = ["explain", "comm_stats", "collectives"]
 

@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .collectives import hint
 from .errors import ShardingError
-from .spec import META_KEY, Spec
+from .ir import META_KEY, VIEW_OPS
+from .spec import Spec
 from .symbolic import sym_dim, sym_shape
 
 aten = torch.ops.aten
@@ -31,14 +32,6 @@ __all__ = ["memory", "program_peak", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
-
-VIEW_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default, aten.transpose.int,
-    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.reshape.default,
-    torch.ops._c10d_functional.wait_tensor.default,
-}
 
 
 def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None) -> dict[fx.Node, Any]:

@@ -22,7 +22,8 @@ from ..placements import Pl, R
 from ..constrain import CONSTRAIN_OP, constraint_spec
 from ..plan import check_divisible, constraint_placements, is_spec_leaf, to_placements
 from ..symbolic import sym_shape
-from .trace import Traced, source_line
+from ..ir import source_line
+from .trace import Traced
 
 __all__ = ["annotate", "spec_leaves", "check_divisible", "constraint_table", "Leaf"]
 

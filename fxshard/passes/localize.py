@@ -20,26 +20,20 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..collectives import INSERTED_KEY, Emitter, redistribute_nodes
+from ..collectives import Emitter, redistribute_nodes
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
 from ..errors import ShardingError
 from ..placements import Part, R, S
 from ..registry import norm_dim, tensor_inputs
-from ..spec import META_KEY, Spec, chunk, chunk_index, is_uneven, local_shape, shard_factor
+from ..ir import INSERTED_KEY, META_KEY, SHAPE_ARGS, SIZE_ARGS, STRATEGY_KEY, OpClass, is_op
+from ..spec import Spec, chunk, chunk_index, is_uneven, local_shape, shard_factor
 from ..symbolic import is_concrete
-from .propagate import STRATEGY_KEY
 
 aten = torch.ops.aten
 
 __all__ = ["localize", "runtime_device"]
 
-# op -> position of an argument holding the op's (global) output shape
-SHAPE_ARG_OPS = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1, aten.expand.default: 1,
-                 aten.upsample_bilinear2d_backward.default: 2, aten._upsample_bilinear2d_aa_backward.default: 2}
-# op -> {argument position: (tensor input, dim)}: an int argument holding the size of that input's dim
-SIZE_ARGS = {aten.native_group_norm.default: {3: (0, 0)}, aten.native_group_norm_backward.default: {5: (0, 0)}}
-SQUEEZE_OPS = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims}
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:
@@ -244,8 +238,8 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                 _globalize_size(g, node, spec, ctx)
             continue
         spec = node.meta.get(META_KEY)
-        if node.target in SHAPE_ARG_OPS and isinstance(spec, Spec):
-            i = SHAPE_ARG_OPS[node.target]
+        if node.target in SHAPE_ARGS and isinstance(spec, Spec):
+            i = SHAPE_ARGS[node.target]
             _set_arg(node, i, _local_sizes(Emitter(g, node, {}), list(node.args[i]), spec, ctx))
         elif node.target in SIZE_ARGS:
             _localize_size_args(node, ctx)
@@ -253,7 +247,7 @@ def localize(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             _localize_slice(node, ctx)
         elif node.target in (aten.split.Tensor, aten.split_with_sizes.default):
             _localize_split(node, ctx)
-        elif node.target in SQUEEZE_OPS:
+        elif is_op(node.target, OpClass.SQUEEZE):
             _localize_squeeze(node)
         _lower(g, node, ctx)
     gm.recompile()
