@@ -33,6 +33,7 @@ exist and waited only when nothing independent is left to run (``reorder_for_ove
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar, Token
 import re
 import weakref
 from fnmatch import fnmatchcase
@@ -45,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .ir import COMM_KEY, OpClass, is_op
+from .passes.overlap import collective_groups, reorder_for_overlap
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import ShardedModule
@@ -359,11 +361,14 @@ class FxshardBackend:
         object.__setattr__(view, "_bounds", bounds)
         from .api import shard
 
+        from .pipeline import DEFAULT, OVERLAP
+
+        options = dict(self.shard_options)
+        pipeline = options.pop("pipeline", DEFAULT)
         with _outside_dynamo():
-            sm = shard(view, self.mesh, plan, example_inputs=tuple(cap.inputs), **self.shard_options)
+            sm = shard(view, self.mesh, plan, example_inputs=tuple(cap.inputs),
+                       pipeline=pipeline.with_pass(OVERLAP) if self.overlap else pipeline, **options)
         self._share(sm, cap)
-        if self.overlap:
-            overlap(sm)
         self.modules.append(sm)
         run = sm if self.inner in (None, "none") else torch.compile(sm, backend=self.inner, fullgraph=True)
         positions = [i for i, k in enumerate(cap.kinds) if k[0] == "input"]
@@ -477,21 +482,23 @@ def backend(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *, inner
     return FxshardBackend(mesh, plan, inner=inner, overlap=overlap, **shard_options)
 
 
-_ACTIVE: list[FxshardBackend] = []
+# the backend ``backend="fxshard"`` resolves to, set by backend_options (a context variable: per thread
+# and asyncio task, restored by ``with``)
+_ACTIVE: ContextVar[Optional[FxshardBackend]] = ContextVar("fxshard_backend", default=None)
 
 
 class _Options:
     """Returned by :func:`backend_options`: the active backend, usable as a context manager."""
 
-    def __init__(self, b: FxshardBackend, previous: Optional[FxshardBackend]) -> None:
+    def __init__(self, b: FxshardBackend, token: Token) -> None:
         self.backend = b
-        self._previous = previous
+        self._token = token
 
     def __enter__(self) -> FxshardBackend:
         return self.backend
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE[:] = [self._previous] if self._previous is not None else []
+        _ACTIVE.reset(self._token)
 
     def __getattr__(self, name: str) -> Any:  # parameters(), modules, ... of the backend
         return getattr(self.backend, name)
@@ -507,19 +514,18 @@ def backend_options(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, 
     when ``torch.compile`` is.
     """
     _register()
-    previous = _ACTIVE[0] if _ACTIVE else None
     b = backend(mesh, plan, **options)
-    _ACTIVE[:] = [b]
-    return _Options(b, previous)
+    return _Options(b, _ACTIVE.set(b))
 
 
 def _named_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    if not _ACTIVE:
+    active = _ACTIVE.get()
+    if active is None:
         raise ShardingError(
             'backend="fxshard" needs a mesh and a plan: call fxshard.backend_options(mesh, plan) before the '
             "compiled model's first call, or pass backend=fxshard.backend(mesh, plan)"
         )
-    return _ACTIVE[0](gm, example_inputs, **kwargs)
+    return active(gm, example_inputs, **kwargs)
 
 
 def _register() -> None:
@@ -534,113 +540,17 @@ def _register() -> None:
 # ---------------------------------------------------------------------------------------------------
 # overlap: issue collectives early, wait late
 
-_WAIT = c10d.wait_tensor.default
-
-
-def _collective_groups(g: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
-    return [(n, next(iter(n.users))) for n in g.nodes if COMM_KEY in n.meta and len(n.users) == 1
-            and next(iter(n.users)).target is _WAIT]
-
-
-def _keeps_order(n: fx.Node) -> bool:
-    """Ops whose relative order is observable: collectives (every rank must issue the same sequence),
-    random ops (the generator's sequence of draws), and ops that mutate an input."""
-    if COMM_KEY in n.meta:
-        return True
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable
-    return False
-
-
-def reorder_for_overlap(gm: fx.GraphModule) -> fx.GraphModule:
-    """Reschedule ``gm`` so collectives are issued as early as their inputs allow and waited as late
-    as possible; recompile. Returns ``gm`` (changed in place).
-
-    Requires a graph whose collectives carry ``COMM_KEY`` and are each read by one ``wait_tensor``.
-    Ensures the same dataflow in another topological order, by list scheduling: the ops the next
-    collective needs (and the collective) run first, then ordinary ops in their original order, and
-    a ``wait_tensor`` only when no other op is ready - so every op independent of a collective's
-    result (e.g. the weight gradients next to an input-gradient all-reduce) runs between its issue
-    and its wait. Collectives, random ops and mutating ops keep their original relative order
-    (every rank issues the same collective sequence; random draws stay bit-identical to eager).
-    """
-    import heapq
-
-    g = gm.graph
-    groups = _collective_groups(g)
-    if not groups:
-        return gm
-    nodes = list(g.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    waits = {w for _c, w in groups}
-    deps = {n: set(n.all_input_nodes) for n in nodes}
-    ordered = [n for n in nodes if _keeps_order(n)]
-    for a, b in zip(ordered, ordered[1:]):  # an order edge between consecutive order-keeping ops
-        deps[b].add(a)
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    for n in nodes:
-        for a in deps[n]:
-            users[a].append(n)
-    missing = {n: len(deps[n]) for n in nodes}
-
-    def ancestors(c: fx.Node) -> set:
-        out = {c}
-        stack = [c]
-        while stack:
-            for a in deps[stack.pop()]:
-                if a not in out:
-                    out.add(a)
-                    stack.append(a)
-        return out
-
-    pending = [c for c, _w in groups]  # collectives not issued yet, in order
-    urgent = ancestors(pending[0])  # what the next collective needs: run it first, issue early
-
-    def key(n: fx.Node) -> tuple:
-        if n.op == "placeholder":
-            return (0, index[n])
-        if n.op == "output":
-            return (9, index[n])
-        if n in waits:
-            return (3, index[n])
-        return (1 if n in urgent else 2, index[n])
-
-    ready = [(key(n), index[n], n) for n in nodes if missing[n] == 0]
-    heapq.heapify(ready)
-    order: list[fx.Node] = []
-    while ready:
-        n = heapq.heappop(ready)[2]
-        order.append(n)
-        if pending and n is pending[0]:
-            pending.pop(0)
-            urgent = ancestors(pending[0]) if pending else set()
-            ready = [(key(r), index[r], r) for _k, _i, r in ready]
-            heapq.heapify(ready)
-        for u in users[n]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, (key(u), index[u], u))
-    if len(order) != len(nodes):
-        raise ShardingError("internal: reorder_for_overlap could not schedule every node; please report this graph")
-    for prev, n in zip(order, order[1:]):
-        prev.append(n)
-    g.lint()
-    gm.recompile()
-    return gm
-
-
 def overlap(sm: Any) -> Any:
     """Reorder every program of a ShardedModule (or of the ``fxshard.backend`` modules) in place
     with :func:`reorder_for_overlap`; returns ``sm``. Results are unchanged; collective buffers live
     from issue to wait, so peak memory can grow by the in-flight collectives."""
     for prog in sm._programs():
-        reorder_for_overlap(prog.gm)
+        reorder_for_overlap(prog.gm)  # the OVERLAP pass of fxshard.pipeline, on a finished module
     return sm
 
 
 def _is_compute(n: fx.Node) -> bool:
-    if n.op != "call_function" or COMM_KEY in n.meta or n.target is _WAIT:
+    if n.op != "call_function" or COMM_KEY in n.meta or n.target is c10d.wait_tensor.default:
         return False
     return not (is_op(n.target, OpClass.VIEW) or is_op(n.target, OpClass.SHAPE_ONLY))
 
@@ -652,7 +562,7 @@ def overlap_report(sm: Any) -> list[dict]:
     for prog in sm._programs():
         nodes = list(prog.gm.graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
-        for c, w in _collective_groups(prog.gm.graph):
+        for c, w in collective_groups(prog.gm.graph):
             between = [n.name for n in nodes[pos[c] + 1: pos[w]] if _is_compute(n)]
             rows.append(dict(program=prog.label, node=c.name, kind=c.meta[COMM_KEY]["kind"], issue=pos[c],
                              wait=pos[w], overlapped=between))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
