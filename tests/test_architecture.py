@@ -16,8 +16,21 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` (imports for annotations only)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the fxshard modules it imports, at any depth of its code (function-level imports too).
+    """Module -> the fxshard modules it imports, at any depth of its code (function-level imports too;
+    not those under ``if TYPE_CHECKING:``, which never run).
 
     ``from . import x`` counts as importing ``x`` when ``x`` is a module; a package's own ``__init__``
     is not an edge of its submodules (Python runs it first, but it only re-exports).
@@ -26,7 +39,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -81,3 +94,14 @@ def test_no_import_cycle_inside_fxshard():
     assert "fxshard.passes.propagate" in graph and graph["fxshard.passes.propagate"]
     cycle = find_cycle(graph)
     assert not cycle, " -> ".join(cycle)
+
+
+def test_examples_need_no_tests_directory():
+    """Examples import fxshard (and torch), never the test suite: they run from an installed package."""
+    examples = sorted((PKG.parent / "examples").glob("*.py"))
+    assert examples
+    for path in examples:
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path.name} imports {names}"
