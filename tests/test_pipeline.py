@@ -64,3 +64,18 @@ def test_overlap_pass_schedules_as_overlap_does(mesh2):
     codes = [[p.gm.code for p in sm._programs()] for sm in (piped, after, plain)]
     assert codes[0] == codes[1]
     assert codes[0] != codes[2]  # the schedule changed something (the input gradient's all_reduce moves up)
+
+
+class _UserAllReduce(torch.nn.Module):
+    """The model's own collective under no_grad (allowed: it runs as written)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            s = x * 2
+            torch.distributed.all_reduce(s)
+        return x + s
+
+
+def test_verifier_accepts_the_models_own_collectives(mesh2):
+    sm = fxshard.shard(_UserAllReduce(), mesh2, {}, example_inputs=(torch.randn(4, 4),))
+    assert fxshard.comm_stats(sm)["forward"] == {}  # fxshard inserted nothing; the model's all_reduce stays

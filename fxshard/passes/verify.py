@@ -6,11 +6,12 @@ pipeline calls :func:`verify` after every pass with every fact in force, and a b
 raises a ShardingError naming the pass and the node. The facts:
 
 * ``traced``: every placeholder carries ``meta["val"]`` (a fake tensor of global shape);
-* ``global``: no collective in the graph yet (shapes and values are global);
+* ``global``: no collective fxshard inserted in the graph yet (shapes and values are global; the
+  model's own collectives, allowed under ``no_grad``, run as written);
 * ``specs``: every tensor-valued node fxshard did not insert has a Spec of its traced global shape
   (a tuple of them for multi-output ops), all over the same number of mesh axes;
-* ``arrive``: every collective carries its reason (``COMM_KEY``) and is read by exactly one
-  ``wait_tensor``; every ``wait_tensor`` waits on a collective; every op reads each input in the
+* ``arrive``: every inserted collective carries its reason (``COMM_KEY``) and is read by exactly
+  one ``wait_tensor``; every inserted ``wait_tensor`` waits on a collective; every op reads each input in the
   layout its strategy requires (``IN_KEY``) on this rank, or a lowering replaced the input;
 * ``local``: shape arguments hold this rank's sizes (checked by running, not here);
 * ``clean``: the graph lints;
@@ -69,9 +70,14 @@ def _traced(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
             _need("val" in n.meta, f"placeholder {n.name} has no meta['val']")
 
 
+def _inserted_collective(n: fx.Node) -> bool:
+    """A collective fxshard put there (the model's own collectives, under no_grad, run as written)."""
+    return n.target in COLLECTIVES and bool(n.meta.get(INSERTED_KEY) or COMM_KEY in n.meta)
+
+
 def _global(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
     for n in gm.graph.nodes:
-        _need(n.target not in COLLECTIVES, f"{n.name} is a collective in a global program")
+        _need(not _inserted_collective(n), f"{n.name} is an inserted collective in a global program")
 
 
 def _specs(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
@@ -93,11 +99,11 @@ def _specs(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
 def _arrive(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
     coords = ctx.mesh.coords
     for n in gm.graph.nodes:
-        if n.target in COLLECTIVES:
+        if _inserted_collective(n):
             _need(COMM_KEY in n.meta and bool(n.meta[COMM_KEY].get("consumer")), f"{n.name} has no reason")
             users = list(n.users)
             _need(len(users) == 1 and users[0].target is c10d.wait_tensor.default, f"{n.name} has users {users}")
-        if n.target is c10d.wait_tensor.default:
+        if n.target is c10d.wait_tensor.default and n.meta.get(INSERTED_KEY):
             _need(n.args[0].target in COLLECTIVES, f"{n.name} waits on {n.args[0]}")
         req = n.meta.get(IN_KEY)
         if req is None or n.op == "placeholder":  # a split program's saved value keeps its producer's meta
