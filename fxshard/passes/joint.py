@@ -40,7 +40,7 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from ..errors import ShardingError
@@ -65,12 +65,27 @@ class Joint:
 
 
 def _example(val: Any, mode: FakeTensorMode) -> Any:
-    """A fake tensor like ``val`` (global shape, same device): nothing is allocated."""
-    if isinstance(val, torch.Tensor):
+    """A fake tensor of ``mode`` like ``val`` (global shape, same device): nothing is allocated. A
+    data-dependent size (an unbacked symbol of the forward's trace, e.g. ``masked_select``'s) becomes a
+    fresh unbacked symbol of ``mode``: ``_tie_sizes`` equates it with the size the joint trace gives."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    if not free_unbacked_symbols(val.shape):
         with mode:
-            return torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
-                                       dtype=val.dtype, device=val.device)
-    return val
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    env = mode.shape_env
+    with env.ignore_fresh_unbacked_symbols():  # an input's symbols: no op binds them
+        shape = [env.create_unbacked_symint() if free_unbacked_symbols(s) else s for s in val.shape]
+    with mode:
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+
+def _tie_sizes(out: torch.Tensor, tangent: torch.Tensor) -> None:
+    """Assert that the data-dependent sizes of ``tangent`` (``_example``) are ``out``'s, so autograd's
+    shape check and every later size comparison see one value."""
+    for a, b in zip(tangent.shape, out.shape):
+        if free_unbacked_symbols(a):
+            torch._check(a == b)
 
 
 _COLLECTIVES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
@@ -159,13 +174,11 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     if dynamic:  # trace on export's own fake tensors: their dynamic dims stay symbols of its ShapeEnv
         mode = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor))
         primals = list(vals)
-        with mode:
-            tangents = [torch.empty_like(out_leaves[i].meta["val"]) for i in diff_out]
     else:
         # a ShapeEnv gives data-dependent sizes (masked_select, a boolean index's backward) symbols
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
         primals = [_example(v, mode) for v in vals]
-        tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
+    tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
@@ -178,6 +191,8 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
         with fx_traceback.preserve_node_meta():  # joint nodes keep the forward's source lines
             outs = interp.run(*prim)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for i, t in zip(diff_out, tangents):
+            _tie_sizes(outs[i], t)
         pairs = [(outs[i], t) for i, t in zip(diff_out, tangents) if outs[i].requires_grad]
         inputs = [prim[i] for i in diff_in]
         if pairs and inputs:
