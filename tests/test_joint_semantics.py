@@ -436,10 +436,23 @@ class _ValueBranch(nn.Module):
         return (h ** 2).sum()
 
 
+class _EffectToken(nn.Module):
+    """eig's backward solves a system, whose error check torch orders by an effect token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.linalg.eigvals(h[:, :3] @ h[:, :3].T).real.sum()
+
+
 @pytest.mark.parametrize("model,needles", [
     (_NoDerivative, ["special_zeta", "derivative for 'zeta' is not implemented",
                      "torch.special.zeta(h.abs() + 2", "torch.no_grad()"]),
     (_ValueBranch, ["GuardOnDataDependentSymNode", "if (h > 0).sum() > 3:", "torch.where"]),
+    (_EffectToken, ["_linalg_check_errors", "effect token", "torch.linalg.eigvals(h[:, :3]", "torch.no_grad()"]),
 ])
 def test_tracing_failures_are_one_readable_error(mesh2, capfd, model, needles):
     capfd.readouterr()

@@ -218,6 +218,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
             "if no gradient is needed there, compute it under torch.no_grad() or on .detach()-ed values; to shard "
             "for inference only, set requires_grad=False on the parameters and example inputs",
             where=(source_line(at) or at.name) if at is not None else None) from None
+    _reject_effect_tokens(gm)
     gm = _name_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
@@ -228,6 +229,20 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
                                 f"please report this model")
     gm = _cse(gm)
     return Joint(gm, len(primals), diff_out, diff_in, n_out)
+
+
+def _reject_effect_tokens(gm: fx.GraphModule) -> None:
+    """Raise a ShardingError when the trace ordered an op with side effects by an effect token (a
+    ``with_effects`` node fed by an extra placeholder): fxshard's programs do not thread tokens."""
+    near = ""  # the user's line of the closest node before it that has one (the token op has none)
+    for n in gm.graph.nodes:
+        near = source_line(n) or near
+        if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects:
+            raise ShardingError(
+                f"the training graph calls {n.args[1]}, an op with side effects (such as a linalg error check "
+                f"in a backward formula) that torch orders through an effect token, which fxshard does not "
+                f"thread through its programs [at {near or n.name}]; compute that part without "
+                f"gradients (torch.no_grad() or .detach()) or outside the sharded module") from None
 
 
 @dataclass
