@@ -466,6 +466,31 @@ def test_tracing_failures_are_one_readable_error(mesh2, capfd, model, needles):
     assert "Traceback" not in err and "GraphModule" not in err and "symbolic_shapes" not in err, err
 
 
+class _InfiniteBranches(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        return torch.ops.aten._safe_softmax(x, 1), torch.special.log_ndtr(y)
+
+
+def test_gradients_where_a_decomposition_has_an_infinite_branch_match_eager():
+    """Rows of -inf in ``_safe_softmax`` and very negative ``log_ndtr`` inputs: the decomposed forward's
+    unselected branch is infinite there, and its zero gradient must not become NaN (eager's is finite)."""
+    from fxshard.passes.joint import trace_joint
+    from fxshard.passes.trace import trace_forward
+
+    x = torch.randn(2, 3, 4)
+    x[0, :, 1] = x[1, 0, :] = x[1, :, 2] = float("-inf")
+    y = torch.tensor([-20.0, -7.38, -5.63, -1.0, 0.5, 1.0, 3.0, 7.3])
+    model = _InfiniteBranches()
+    traced = trace_forward(model, (x, y), {})
+    joint = trace_joint(traced, traced.gm, [True, True])
+    cot = (torch.randn(2, 3, 4), torch.randn(8))
+    got = joint.gm(x, y, *cot)
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    want = model(xr, yr)
+    for g, w in zip(got, [*want, *torch.autograd.grad(want, [xr, yr], cot)]):
+        torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-5)
+
+
 def test_joint_graph_is_functional(mesh2):
     """No in-place op is left for CSE and the passes to misread (what broke max/min gradients)."""
     from fxshard.passes.joint import trace_joint
