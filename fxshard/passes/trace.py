@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import sys
 import traceback
@@ -111,6 +112,8 @@ def decomposition_table() -> Any:
     table[aten.index_fill.int_Tensor] = _index_fill
     table[aten.index_fill.int_Scalar] = _index_fill
     table[aten.copy.default] = _copy
+    table[aten._safe_softmax.default] = _safe_softmax
+    table[aten.special_log_ndtr.default] = _log_ndtr
     return table
 
 
@@ -138,6 +141,28 @@ def _copy(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> tor
     """Functional ``copy`` (what ``x[..., :d].copy_(y)`` and ``x[:, i] = y`` export to): ``src`` cast to
     ``x``'s dtype and broadcast to ``x``'s shape. autograd has no derivative for ``aten.copy``."""
     return src.to(dtype=x.dtype, device=x.device).expand(x.shape).clone()
+
+
+# The training graph differentiates the decomposed forward. A ``where`` whose unselected branch is
+# infinite there (softmax of a row of -inf, log1p(-1)) turns its zero gradient into 0 * inf = NaN, where
+# eager's own derivative is finite: these decompositions feed each branch only inputs where it is finite.
+
+def _safe_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Softmax along ``dim`` with rows that are all -inf giving 0 (and a 0 gradient, as eager)."""
+    empty = (x == float("-inf")).all(dim, keepdim=True)
+    out = torch.softmax(x.masked_fill(empty, 0), dim, dtype=dtype)
+    return out.masked_fill(empty, 0)
+
+
+def _log_ndtr(a: torch.Tensor) -> torch.Tensor:
+    """``log(ndtr(a))`` by torch's two formulas (``a < 1``: via erfcx; else via log1p), each fed only the
+    inputs it is selected for (elsewhere a harmless 0 or 1)."""
+    a = a if a.is_floating_point() else a.to(torch.get_default_dtype())
+    low = a < 1
+    t_low = torch.where(low, a, 0) * math.sqrt(0.5)
+    t_high = torch.where(low, 1, a) * math.sqrt(0.5)
+    return torch.where(low, torch.log(torch.special.erfcx(-t_low) / 2) - t_low * t_low,
+                       torch.log1p(-torch.erfc(t_high) / 2))
 
 
 def joint_decomposition_table() -> dict:
