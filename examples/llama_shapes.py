@@ -8,7 +8,7 @@ Builders are called under ``torch.device("meta")`` by the CLI: no weights are al
 from __future__ import annotations
 
 from fxshard import ColwiseParallel, RowwiseParallel
-from tests.models import LlamaDecoder
+from fxshard.models import LlamaDecoder
 
 # Megatron tensor parallel for every layer (globs), vocab-parallel embedding, loss-parallel head.
 PLAN = {

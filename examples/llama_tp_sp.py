@@ -4,25 +4,20 @@ optionally on a 2-D (dp, tp) mesh.
     torchrun --standalone --nproc-per-node 2 examples/llama_tp_sp.py          # tp=2
     torchrun --standalone --nproc-per-node 4 examples/llama_tp_sp.py --2d     # dp=2 x tp=2
 
-Run from the repository root (the model lives in tests/models.py). Prints per-step losses of
-the sharded and unsharded models, the collectives per step and the per-rank memory report.
+Prints per-step losses of the sharded and unsharded models, the collectives per step and the per-rank memory report.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fxshard  # noqa: E402
-from fxshard import P  # noqa: E402
-from tests.models import LlamaDecoder, make_tokens  # noqa: E402
-from tests.test_plans import llama_seed003_plan  # noqa: E402
+import fxshard
+from fxshard import P
+from fxshard.models import LlamaDecoder, llama_seed003_plan, make_tokens
 
 
 def main() -> int:

@@ -9,12 +9,12 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from .consistency import check_same_on_all_ranks, fingerprint
+from .consistency import fingerprint
+from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
 from .inputs import InputCheck
@@ -23,64 +23,24 @@ from .checkpoint import take
 from .errors import ShardingError
 from .module import Program, Programs, ShardedModule, Training
 from .replicas import check_replicas, communicates, from_source, sentinel
-from .passes.annotate import Leaf, annotate, spec_leaves
-from .passes.emit import emit
+from .context import runtime_device
+from .frontend import check_consistent, graph_outputs, required_outputs
+from .passes.annotate import annotate
 from .passes.joint import partition, trace_joint
-from .passes.localize import localize, runtime_device
-from .passes.propagate import propagate
-from .passes.redistribute import redistribute
 from .passes.trace import Traced, trace_forward
+from .pipeline import DEFAULT, Pipeline
 from .placements import Pl, R
-from .registry import output_leaves
-from .plan import resolve_boundaries, resolve_plan, to_placements
+from .plan import resolve_boundaries, resolve_plan
 from .spec import local_shape
 from .symbolic import sym_shape
 
-__all__ = ["shard", "PASSES", "run_passes"]
-
-PASSES: list[Callable[[fx.GraphModule, ShardContext], fx.GraphModule]] = [propagate, redistribute, localize, emit]
-
-
-def run_passes(gm: fx.GraphModule, ctx: ShardContext, verify: Optional[Callable] = None) -> fx.GraphModule:
-    """Propagate, redistribute, localize and emit ``gm`` in place (``verify`` runs after each pass)."""
-    for p in PASSES:
-        gm = p(gm, ctx)
-        if verify is not None:
-            verify(gm, ctx, p.__name__)
-    return gm
-
-
-def _out_required(traced: Traced, out_specs: Any, mesh: MeshInfo,
-                  param_pls: dict[str, tuple[Pl, ...]]) -> list[Optional[tuple[Pl, ...]]]:
-    """Required placements per output leaf: buffer updates keep their buffer's layout, user outputs
-    follow ``out_specs``."""
-    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    leaves = output_leaves(out_node)
-    n_mut = len(traced.mutations)
-    req: list[Optional[tuple[Pl, ...]]] = [param_pls.get(b, (R,) * len(mesh.sizes)) for b in traced.mutations]
-    user = leaves[n_mut:]
-    struct = pytree.tree_unflatten([Leaf(_output_text(i, leaf)) for i, leaf in enumerate(user)], traced.out_tree)
-    specs = spec_leaves(out_specs, struct, "out_specs") if out_specs is not None else [None] * len(user)
-    for i, (leaf, spec) in enumerate(zip(user, specs)):
-        val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
-        if isinstance(val, torch.Tensor):
-            req.append(to_placements(spec, mesh, val.dim(), f"out_specs for output {i}"))
-        else:
-            req.append(None)
-    return req
-
-
-def _output_text(i: int, leaf: Any) -> str:
-    val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else leaf
-    if isinstance(val, torch.Tensor):
-        return f"output {i} (a tensor of shape {list(val.shape)})"
-    return f"output {i} ({type(val).__name__})"
+__all__ = ["shard"]
 
 
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
+          progress: Optional[Callable[[str], None]] = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
@@ -94,6 +54,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     of what ``model`` returns on the global inputs. Plan errors raise
     ShardingError before tracing. ``progress``, if given, is called with a short
     message as each stage starts (tracing a large model takes a while).
+    ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
+    also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
 
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
@@ -118,7 +80,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                             f"{dict(zip(info.names, info.sizes))}; pass an int below {min(info.sizes)} (default 0), "
                             f"or None to keep each rank's own values")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes)
+    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline)
     progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
@@ -145,6 +107,7 @@ class _Request:
     in_specs: Any
     out_specs: Any
     dynamic_shapes: Any
+    pipeline: Pipeline = DEFAULT
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
@@ -158,14 +121,19 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
                     ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device]:
     """Trace ``model`` in its current modes and shard every program (a collective: the consistency check)."""
     example_inputs, kwargs = req.example_inputs, req.kwargs
-    check_same_on_all_ranks(fingerprint(req.plan, model, info, example_inputs, req.in_specs, req.out_specs))
+    check_consistent(info, req.in_specs, req.out_specs, fingerprint(req.plan, model, example_inputs))
     say("checking the plan")
     param_pls = resolve_plan(req.plan, model, info)
     say("tracing the forward (torch.export)")
-    traced = trace_forward(model, example_inputs, kwargs, req.dynamic_shapes,
-                           resolve_boundaries(req.plan, model, info))
-    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs,
-                   _out_required(traced, req.out_specs, info, param_pls))
+    with constraint_scope() as recorded:
+        traced = trace_forward(model, example_inputs, kwargs, req.dynamic_shapes,
+                               resolve_boundaries(req.plan, model, info))
+    # buffer updates (the first outputs) keep their buffer's layout; user outputs follow out_specs
+    k = len(info.sizes)
+    out_required = [param_pls.get(b, (R,) * k) for b in traced.mutations] + required_outputs(
+        graph_outputs(traced.gm)[len(traced.mutations):], traced.out_tree, req.out_specs, info)
+    ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
+                   constraints=recorded)
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}
@@ -175,7 +143,6 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
             placements[name] = ctx.seeds[node.name]
             shapes[name] = sym_shape(node.meta["val"])
     ins = [(slot.index, node) for node, slot in zip(placeholders, traced.slots) if slot.kind == "input"]
-    k = len(info.sizes)
     check = InputCheck.from_placeholders([i for i, _ in ins], [n.meta.get("val") for _, n in ins],
                                          [ctx.seeds.get(n.name, (R,) * k) for _, n in ins], info)
 
@@ -187,9 +154,9 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     ]
     training = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say)
+        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline)
     say("sharding the inference program")
-    gm = run_passes(traced.gm, ctx)
+    gm = req.pipeline(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
     return progs, placements, shapes, runtime_device(ctx)
 
@@ -219,7 +186,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -249,7 +216,7 @@ def _mode_text(modes: dict[str, bool]) -> str:
 
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
-                    say: Callable[[str], None]) -> Training:
+                    say: Callable[[str], None], pipeline: Pipeline) -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
@@ -264,11 +231,12 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
         jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
     jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
-    gm = run_passes(joint.gm, jctx)
+    gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm)
+    fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx)
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
-    return Training(Program(split.fwd, "forward", fb), Program(split.bwd, "backward", fb), joint.n_out,
+    return Training(Program(fwd, "forward", fb), Program(bwd, "backward", fb), joint.n_out,
                     joint.diff_out, joint.diff_in, updated)
 
 

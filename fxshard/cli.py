@@ -69,7 +69,7 @@ def _why(sm: Any) -> dict[tuple[str, str], str]:
     from .inspect import collectives
 
     out = {}
-    for prog in sm._programs():
+    for prog in sm.sharding.programs:
         per: dict[str, Counter] = {}
         for c in collectives(prog):
             per.setdefault(c["kind"], Counter())[c["op"].replace("aten.", "")] += 1

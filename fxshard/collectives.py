@@ -15,27 +15,20 @@ from typing import Any, Sequence, Union
 import torch
 import torch.fx as fx
 
+from .ir import COMM_KEY, INSERTED_KEY
 from .mesh import MeshInfo
-from .placements import Part, Pl, R, S
-from .spec import Spec, chunk, is_uneven, local_shape
-from .symbolic import Dim, ceil_div, is_concrete, prod
+from .placements import Pl, S
+from .spec import Spec, chunk, is_uneven
+from .symbolic import Dim, ceil_div, is_concrete
+from .transition import Step, hint, plan_transition
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 __all__ = ["Emitter", "COMM_KEY", "INSERTED_KEY", "redistribute_nodes", "hint"]
 
-COMM_KEY = "fxshard_comm"
-INSERTED_KEY = "fxshard_inserted"
 
 Val = Union[int, fx.Node]
-
-
-def hint(d: Dim) -> int:
-    """A concrete stand-in for a size: symbols count as 64 (for byte estimates only)."""
-    if is_concrete(d):
-        return int(d)
-    return int(d.subs({s: 64 for s in d.free_symbols}))
 
 
 @dataclass
@@ -93,21 +86,21 @@ def _pad_front(e: Emitter, x: fx.Node, ndim: int, by: int) -> fx.Node:
     return e.op(aten.constant_pad_nd.default, x, [0, 0] * (ndim - 1) + [0, by], 0.0) if by else x
 
 
-def all_gather(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo, itemsize: int,
-               contiguous: bool, gsize: Dim) -> fx.Node:
-    """Gather split ``p`` on axis ``a``; ``gsize`` is the dim's size after the gather.
+def all_gather(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
+    """Gather split ``st.src`` on axis ``st.axis``; ``st.gsize`` is the dim's size after the gather.
 
     An uneven split (``torch.chunk`` pieces) is padded to the largest piece, gathered, and cut to ``gsize``.
     """
+    p, a, lshape, gsize = st.src, st.axis, st.lshape, st.gsize
     n = mesh.sizes[a]
     ndim = len(lshape)
     uneven = is_uneven(gsize, n)
     piece = ceil_div(int(gsize), n) if uneven else lshape[p.dim]
-    nbytes = hint(prod([piece if i == p.dim else s for i, s in enumerate(lshape)])) * itemsize * n
     xf, perm = _to_front(e, x, p.dim, ndim, contiguous)
     if uneven:
         xf = _pad_front(e, xf, ndim, piece - int(lshape[p.dim]))
-    g = e.comm(c10d.all_gather_into_tensor.default, "all_gather", mesh.names[a], xf, nbytes, n, mesh.group_names[a])
+    g = e.comm(c10d.all_gather_into_tensor.default, "all_gather", mesh.names[a], xf, st.nbytes, n,
+               mesh.group_names[a])
     if uneven:
         g = e.op(aten.slice.Tensor, g, 0, 0, int(gsize))
     rest = [e.size(xf, i, lshape[perm[i]]) for i in range(1, ndim)]
@@ -135,34 +128,33 @@ def _rs_front(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, n: int, conti
     return xf, perm
 
 
-def reduce_scatter(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo, itemsize: int,
-                   contiguous: bool) -> fx.Node:
+def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
+    p, a, lshape = st.dst, st.axis, st.lshape
     n = mesh.sizes[a]
-    nbytes = hint(prod(lshape)) * itemsize
     xf, perm = _rs_front(e, x, lshape, p, n, contiguous)
     size = lshape[p.dim]
     uneven = is_uneven(size, n)
     if uneven:  # pad to n equal pieces; this rank keeps its torch.chunk piece of the reduced result
         piece = ceil_div(int(size), n)
         xf = _pad_front(e, xf, len(lshape), piece * n - int(size))
-    r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, nbytes, "sum", n,
+    r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, st.nbytes, "sum", n,
                mesh.group_names[a])
     if uneven:
         r = e.op(aten.slice.Tensor, r, 0, 0, chunk(int(size), n, mesh.coords[a])[1])
     return e.contiguous(e.op(aten.permute.default, r, _inverse(perm))) if p.dim != 0 else r
 
 
-def all_reduce(e: Emitter, x: fx.Node, lshape: Sequence[Dim], op: str, a: int, mesh: MeshInfo, itemsize: int,
-               contiguous: bool) -> fx.Node:
-    nbytes = hint(prod(lshape)) * itemsize
+def all_reduce(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
     src = x if contiguous else e.contiguous(x)
-    return e.comm(c10d.all_reduce.default, "all_reduce", mesh.names[a], src, nbytes, op, mesh.group_names[a])
+    return e.comm(c10d.all_reduce.default, "all_reduce", mesh.names[st.axis], src, st.nbytes, st.src.op,
+                  mesh.group_names[st.axis])
 
 
-def local_slice(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, a: int, mesh: MeshInfo) -> fx.Node:
+def local_slice(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
     """This rank's piece of ``x`` (whole on axis ``a``) split as ``p``: a copy when the piece is not
     contiguous (a split dim other than 0), since kernels such as ``native_layer_norm_backward`` read
     their saved statistics as contiguous and views need the strides they were traced with."""
+    p, a, lshape = st.dst, st.axis, st.lshape
     n = mesh.sizes[a]
     c = mesh.coords[a]
     if is_uneven(lshape[p.dim], n):
@@ -184,22 +176,21 @@ def _dense(e: Emitter, piece: fx.Node, dim: int) -> fx.Node:
     return piece if dim == 0 else e.contiguous(piece)
 
 
-def all_to_all(e: Emitter, x: fx.Node, lshape: Sequence[Dim], src: S, dst: S, a: int, mesh: MeshInfo,
-               itemsize: int, contiguous: bool) -> fx.Node:
+def all_to_all(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
     """S(src.dim) -> S(dst.dim) on axis ``a``: each rank keeps 1/n of what a gather would move.
 
     Requires concrete sizes and plain (non-strided) shards on different dims.
     """
+    a = st.axis
     n = mesh.sizes[a]
-    sd, dd = src.dim, dst.dim
-    shape = [int(s) for s in lshape]
+    sd, dd = st.src.dim, st.dst.dim
+    shape = [int(s) for s in st.lshape]
     nb = shape[dd] // n
     x = x if contiguous else e.contiguous(x)
     v = e.op(aten.view.default, x, shape[:dd] + [n, nb] + shape[dd + 1:])
     perm = [dd] + [i for i in range(len(shape) + 1) if i != dd]
     front = e.contiguous(e.op(aten.permute.default, v, perm))
-    nbytes = hint(prod(lshape)) * itemsize
-    y = e.comm(c10d.all_to_all_single.default, "all_to_all", mesh.names[a], front, nbytes, [1] * n, [1] * n,
+    y = e.comm(c10d.all_to_all_single.default, "all_to_all", mesh.names[a], front, st.nbytes, [1] * n, [1] * n,
                mesh.group_names[a])
     rest = shape[:dd] + [nb] + shape[dd + 1:]
     order = list(range(1, sd + 1)) + [0] + list(range(sd + 1, len(rest) + 1))
@@ -208,80 +199,33 @@ def all_to_all(e: Emitter, x: fx.Node, lshape: Sequence[Dim], src: S, dst: S, a:
     return e.op(aten.view.default, merged, out)
 
 
-def _can_all_to_all(s: Pl, d: Pl, a: int, cur: Sequence[Pl], lshape: Sequence[Dim], gshape: Sequence[Dim],
-                    n: int) -> bool:
-    if not (isinstance(s, S) and isinstance(d, S) and s.outer == 1 and d.outer == 1 and s.dim != d.dim):
-        return False
-    others = [p for i, p in enumerate(cur) if i != a and isinstance(p, S) and p.dim in (s.dim, d.dim)]
-    return (not others and all(is_concrete(x) for x in lshape)
-            and not is_uneven(gshape[s.dim], n) and not is_uneven(gshape[d.dim], n))
-
-
-def to_partial(e: Emitter, x: fx.Node, p: Part, a: int, mesh: MeshInfo) -> fx.Node:
-    if p.op == "sum" and mesh.coords[a] != 0:
+def to_partial(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
+    if st.dst.op == "sum" and mesh.coords[st.axis] != 0:
         return e.op(aten.zeros_like.default, x)
     return x
 
 
-# dtypes neither gloo nor NCCL reduce or gather: moved as the wider type (exact for sums modulo 2**16,
-# max, min and plain moves alike)
-WIDEN = {torch.int16: torch.int32}
+def _cast(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
+    return e.op(aten._to_copy.default, x, dtype=st.dtype, memory_format=torch.contiguous_format)
 
 
-def _communicates(src: Sequence[Pl], dst: Sequence[Pl], mesh: MeshInfo) -> bool:
-    return any(s != d and n > 1 and s != R for s, d, n in zip(src, dst, mesh.sizes))
+# step kind -> (emitter, whether its result is contiguous); a local step keeps the input's layout flag
+EMITTERS = {
+    "all_reduce": (all_reduce, True), "reduce_scatter": (reduce_scatter, True), "all_gather": (all_gather, True),
+    "all_to_all": (all_to_all, True), "slice": (local_slice, True), "to_partial": (to_partial, None),
+    "cast": (_cast, True),
+}
 
 
 def redistribute_nodes(e: Emitter, x: fx.Node, spec: Spec, dst: Sequence[Pl], mesh: MeshInfo) -> fx.Node:
-    """Nodes computing ``x`` (local, laid out per ``spec``) laid out per ``dst``.
-
-    Moving a split between dims is one all_to_all. Reductions and gathers go innermost mesh axis first (so a dim split over
-    several axes reassembles in order); local slices and R->Partial follow.
-    """
-    wide = WIDEN.get(spec.dtype)
-    if wide is not None and _communicates(spec.placements, dst, mesh):
-        x = e.op(aten._to_copy.default, x, dtype=wide, memory_format=torch.contiguous_format)
-        x = redistribute_nodes(e, x, Spec(spec.placements, spec.shape, wide), dst, mesh)
-        return e.op(aten._to_copy.default, x, dtype=spec.dtype)
-    cur = list(spec.placements)
-    itemsize = spec.dtype.itemsize
+    """Nodes computing ``x`` (local, laid out per ``spec``) laid out per ``dst``: the steps of
+    ``transition.plan_transition``, emitted in order (each collective records the step's bytes)."""
     contiguous = True
     val = x.meta.get("val")
     if isinstance(val, torch.Tensor) and not x.meta.get(INSERTED_KEY):
         contiguous = val.is_contiguous()
-    for a in reversed(range(len(cur))):
-        s, d = cur[a], dst[a]
-        if s == d or mesh.sizes[a] == 1:  # on a one-rank axis every layout holds the same data
-            cur[a] = d
-            continue
-        lshape = local_shape(spec.shape, cur, mesh.sizes, mesh.coords)
-        if isinstance(s, Part):
-            if isinstance(d, S) and s.op == "sum":
-                x = reduce_scatter(e, x, lshape, d, a, mesh, itemsize, contiguous)
-                cur[a] = d
-                contiguous = True
-                continue
-            x = all_reduce(e, x, lshape, s.op, a, mesh, itemsize, contiguous)
-        elif _can_all_to_all(s, d, a, cur, lshape, spec.shape, mesh.sizes[a]):
-            x = all_to_all(e, x, lshape, s, d, a, mesh, itemsize, contiguous)
-            cur[a] = d
-            contiguous = True
-            continue
-        elif isinstance(s, S):
-            after = [R if i == a else q for i, q in enumerate(cur)]
-            gsize = local_shape(spec.shape, after, mesh.sizes, mesh.coords)[s.dim]
-            x = all_gather(e, x, lshape, s, a, mesh, itemsize, contiguous, gsize)
-        contiguous = True
-        cur[a] = R
-    for a in range(len(cur)):
-        s, d = cur[a], dst[a]
-        if s == d or mesh.sizes[a] == 1:  # on a one-rank axis every layout holds the same data
-            cur[a] = d
-            continue
-        lshape = local_shape(spec.shape, cur, mesh.sizes, mesh.coords)
-        if isinstance(d, S):
-            x = local_slice(e, x, lshape, d, a, mesh)
-        elif isinstance(d, Part):
-            x = to_partial(e, x, d, a, mesh)
-        cur[a] = d
+    for st in plan_transition(spec.placements, dst, spec.shape, mesh, spec.dtype):
+        emit, dense = EMITTERS[st.kind]
+        x = emit(e, x, st, mesh, contiguous)
+        contiguous = contiguous if dense is None else dense
     return x

@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 import torch.distributed as dist
 import torch.fx as fx
 
-from .collectives import COMM_KEY
+from .ir import COMM_KEY
 from .errors import ShardingError
 
 __all__ = ["run_program", "is_comm_failure", "comm_failure", "guard_collective"]

@@ -1,6 +1,7 @@
 """torch.compile integration: ``fxshard.backend`` (a TorchDynamo backend that shards the captured
-graph), ``fxshard.backend_options`` (the same, for ``backend="fxshard"``) and ``overlap`` (issue
-collectives early, wait late).
+graph), ``fxshard.backend_options`` (the same, for ``backend="fxshard"``), ``overlap`` and
+``overlap_report``. Reading a captured graph (FQNs, module calls, its nn.Module view) is
+``capture.py``; overlap scheduling is the pipeline pass ``passes/overlap.py``.
 
 Compiling an already sharded module needs nothing from this file: ``torch.compile(sm)`` (any
 backend, ``fullgraph=True`` works) traces through ``ShardedModule.forward`` and the autograd
@@ -33,7 +34,7 @@ exist and waited only when nothing independent is left to run (``reorder_for_ove
 from __future__ import annotations
 
 import contextlib
-import re
+from contextvars import ContextVar, Token
 import weakref
 from fnmatch import fnmatchcase
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -44,7 +45,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .collectives import COMM_KEY
+from .capture import Captured, View
+from .description import sharding_of
+from .ir import COMM_KEY, OpClass, is_op
+from .passes.overlap import collective_groups, reorder_for_overlap
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import ShardedModule
@@ -53,246 +57,6 @@ from .placements import to_torch
 __all__ = ["backend", "backend_options", "FxshardBackend", "overlap", "overlap_report", "reorder_for_overlap"]
 
 c10d = torch.ops._c10d_functional
-
-
-# ---------------------------------------------------------------------------------------------------
-# FQNs from dynamo sources
-
-_ROOT = re.compile(r"""^([LG])\[['"]([^'"]+)['"]\]""")
-_STEP = re.compile(r"""\._(?:modules|parameters|buffers)\[['"]([^'"]*)['"]\]|\.(\w+)|\[(\d+)\]|\[['"]([^'"]*)['"]\]""")
-
-
-def _path(name: str) -> Optional[tuple[str, list[str]]]:
-    """``L['self']._modules['net1']._parameters['weight']`` -> ``("L['self']", ["net1", "weight"])``."""
-    m = _ROOT.match(name)
-    if m is None:
-        return None
-    parts, pos = [], m.end()
-    while pos < len(name):
-        s = _STEP.match(name, pos)
-        if s is None:
-            return None
-        parts.append(next(g for g in s.groups() if g is not None))
-        pos = s.end()
-    return m.group(0), parts
-
-
-def _source_name(node: fx.Node) -> str:
-    ga = node.meta.get("grapharg")
-    src = getattr(ga, "source", None)
-    if src is None:
-        return ""
-    name = src.name
-    return name() if callable(name) else str(name)
-
-
-# ---------------------------------------------------------------------------------------------------
-# the nn.Module view of a captured graph
-
-
-def _skeleton(cls: type) -> nn.Module:
-    """An empty instance of ``cls`` when it is a torch module type the plan may check (Linear/Embedding)."""
-    if isinstance(cls, type) and issubclass(cls, (nn.Linear, nn.Embedding)):
-        m = cls.__new__(cls)
-        nn.Module.__init__(m)
-        if issubclass(cls, nn.Linear):
-            m.register_parameter("bias", None)
-        return m
-    return nn.Module()
-
-
-def _container(root: nn.Module, path: list[str], types: Mapping[str, type]) -> nn.Module:
-    m = root
-    for i, part in enumerate(path):
-        sub = m._modules.get(part)
-        if sub is None:
-            sub = _skeleton(types.get(".".join(path[: i + 1]), nn.Module))
-            m.add_module(part, sub)
-        m = sub
-    return m
-
-
-class _Captured:
-    """What one captured graph takes: per placeholder ``("param"|"buffer", fqn)`` or ``("input", i)``."""
-
-    def __init__(self, gm: fx.GraphModule, example_inputs: list) -> None:
-        self.gm = gm
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if any(n.op == "get_attr" and isinstance(getattr(gm, str(n.target), None), torch.Tensor)
-               for n in gm.graph.nodes):
-            raise ShardingError(
-                "fxshard.backend: the captured graph reads parameters as attributes (get_attr); keep "
-                "torch._dynamo.config.inline_inbuilt_nn_modules=True (the default) so they arrive as graph inputs"
-            )
-        self.kinds: list[tuple[str, Any]] = []
-        self.inputs: list[torch.Tensor] = []
-        roots = set()
-        for node, ex in zip(placeholders, example_inputs):
-            if not isinstance(ex, torch.Tensor):
-                raise ShardingError(
-                    f"fxshard.backend: graph input {node.name} is {type(ex).__name__} {ex!r}, not a tensor: dynamo "
-                    f"made a size dynamic; compile with torch.compile(..., dynamic=False) (each new shape is then "
-                    f"sharded and compiled once)"
-                )
-            val = node.meta.get("example_value")
-            if isinstance(val, torch.Tensor) and any(not isinstance(s, int) for s in val.shape):
-                raise ShardingError(
-                    f"fxshard.backend: graph input {node.name} has dynamic shape {tuple(val.shape)}; compile with "
-                    f"torch.compile(..., dynamic=False)"
-                )
-            src = _source_name(node)
-            parsed = _path(src)
-            is_param = isinstance(ex, nn.Parameter)
-            is_buffer = parsed is not None and "._buffers[" in src
-            if is_param or is_buffer:
-                if parsed is None or not parsed[1]:
-                    raise ShardingError(
-                        f"fxshard.backend: cannot name the parameter behind graph input {node.name} (source "
-                        f"{src!r}); reach parameters as module attributes so the plan can refer to them by FQN"
-                    )
-                roots.add(parsed[0])
-                self.kinds.append(("param" if is_param else "buffer", ".".join(parsed[1])))
-            else:
-                self.kinds.append(("input", len(self.inputs)))
-                self.inputs.append(ex)
-        if len(roots) > 1:
-            raise ShardingError(
-                f"fxshard.backend: the captured graph uses parameters of several root objects {sorted(roots)}; "
-                f"compile one nn.Module (torch.compile(model, backend=...)) so every FQN is relative to it"
-            )
-        self.root = next(iter(roots), None)
-        self.tensors = {k[1]: ex for k, ex in zip(self.kinds, example_inputs) if k[0] != "input"}
-        # module calls: nn_module_stack key -> (fqn, type, member nodes)
-        self.calls: dict[str, tuple[str, type, set]] = {}
-        for n in gm.graph.nodes:
-            if n.op in ("placeholder", "output"):
-                continue
-            for key, (path, cls) in (n.meta.get("nn_module_stack") or {}).items():
-                parsed = _path(path)
-                if parsed is None or (self.root is not None and parsed[0] != self.root):
-                    continue
-                entry = self.calls.setdefault(key, (".".join(parsed[1]), cls, set()))
-                entry[2].add(n)
-
-    def module_types(self) -> dict[str, type]:
-        return {fqn: cls for fqn, cls, _ in self.calls.values()}
-
-
-class _View(nn.Module):
-    """The captured graph as an nn.Module: real parameters under their FQNs, forward runs the graph."""
-
-    # TorchDynamo captures a new graph when the compiled model's modes change, so the ShardedModule of a
-    # captured graph never re-traces for other modes: fxshard.shard keeps no copy of it for that
-    fxshard_fixed_modes = True
-
-    def __init__(self, cap: _Captured) -> None:
-        super().__init__()
-        types = cap.module_types()
-        for fqn, cls in types.items():
-            if fqn:
-                _container(self, fqn.split("."), types)
-        for (kind, fqn) in [k for k in cap.kinds if k[0] != "input"]:
-            *path, leaf = fqn.split(".")
-            owner = _container(self, path, types)
-            t = cap.tensors[fqn]
-            if kind == "param":
-                owner.register_parameter(leaf, t)
-            else:
-                owner.register_buffer(leaf, t)
-        object.__setattr__(self, "_cap", cap)
-        object.__setattr__(self, "_bounds", {})
-
-    def forward(self, *inputs: torch.Tensor) -> Any:
-        cap: _Captured = self._cap
-        feed = [inputs[k[1]] if k[0] == "input" else self.get_parameter(k[1]) if k[0] == "param"
-                else self.get_buffer(k[1]) for k in cap.kinds]
-        if not self._bounds:
-            return cap.gm(*feed)
-        return _BoundaryInterpreter(cap, self._bounds).run(*feed)
-
-
-class _BoundaryInterpreter(fx.Interpreter):
-    """Runs a captured graph, constraining values where they cross a styled module call's boundary.
-
-    A module call's inputs are the tensors its nodes read from outside (parameters excluded), in
-    order of first use, matched to the style's positional input specs; its outputs are its nodes'
-    values read from outside, matched to the output specs in order of production.
-    """
-
-    def __init__(self, cap: _Captured, bounds: dict) -> None:
-        super().__init__(cap.gm)
-        from .constrain import record
-
-        self._record = record
-        params = {n for n, k in zip([n for n in cap.gm.graph.nodes if n.op == "placeholder"], cap.kinds)
-                  if k[0] != "input"}
-        self._in: dict[fx.Node, list] = {}  # consumer -> [(module depth, call members, input node, spec)]
-        self._out: dict[fx.Node, list] = {}  # producer -> [(module depth, call members, spec)]
-        depth: dict[str, int] = {}
-        for key, (fqn, _cls, members) in cap.calls.items():
-            if fqn not in bounds:
-                continue
-            depth[key] = len(fqn.split("."))
-            ext_in: list[fx.Node] = []
-            outs: list[fx.Node] = []
-            for n in cap.gm.graph.nodes:
-                if n in members:
-                    for a in n.all_input_nodes:
-                        if a not in members and a not in params and a not in ext_in and _is_tensor(a):
-                            ext_in.append(a)
-                    if _is_tensor(n) and any(u not in members for u in n.users):
-                        outs.append(n)
-            for b in bounds[fqn]:
-                if b.kwargs:
-                    raise ShardingError(
-                        f"fxshard.backend: module {fqn!r}: keyword-input layouts (desired_input_kwarg_layouts) "
-                        f"cannot be located in a captured graph; use positional layouts or fxshard.shard"
-                    )
-                for node, spec in zip(ext_in, b.inputs):
-                    if spec is not None:
-                        for n in members:
-                            if node in n.all_input_nodes:
-                                self._in.setdefault(n, []).append((depth[key], members, node, spec))
-                specs = list(b.outputs)
-                if len(outs) > 1 and any(s is not None for s in specs):
-                    raise ShardingError(
-                        f"fxshard.backend: module {fqn!r} has {len(outs)} output values in the captured graph; "
-                        f"its output layouts cannot be matched to them; use fxshard.shard for this plan"
-                    )
-                for node, spec in zip(outs, specs):
-                    if spec is not None:
-                        self._out.setdefault(node, []).append((depth[key], members, spec))
-        self._cache: dict[tuple, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.op == "placeholder":
-            return super().run_node(n)
-        sub: dict[fx.Node, Any] = {}
-        for a in n.all_input_nodes:
-            # leaving module calls (innermost first), then entering them (outermost first): hook order
-            outs = sorted([o for o in self._out.get(a, []) if n not in o[1]], key=lambda o: -o[0])
-            ins = sorted([i for i in self._in.get(n, []) if i[2] is a], key=lambda i: i[0])
-            if not outs and not ins:
-                continue
-            # one constraint per boundary crossing, shared by every consumer behind it
-            key: Any = a
-            v = self.env[a]
-            for kind, members, spec in [("out", o[1], o[2]) for o in outs] + [("in", i[1], i[3]) for i in ins]:
-                key = (key, kind, id(members))
-                if key not in self._cache:
-                    self._cache[key] = self._record(v, spec)
-                v = self._cache[key]
-            sub[a] = v
-        if not sub:
-            return super().run_node(n)
-        with self._set_current_node(n):
-            args = fx.node.map_arg(n.args, lambda x: sub.get(x, self.env[x]))
-            kwargs = fx.node.map_arg(n.kwargs, lambda x: sub.get(x, self.env[x]))
-            return getattr(self, n.op)(n.target, args, kwargs)
-
-
-def _is_tensor(n: fx.Node) -> bool:
-    return isinstance(n.meta.get("example_value"), torch.Tensor)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -350,8 +114,8 @@ class FxshardBackend:
                 "fxshard backend: torch.compile(options=...) is not used; give the mesh and plan with "
                 "fxshard.backend(mesh, plan) or fxshard.backend_options(mesh, plan)"
             )
-        cap = _Captured(gm, list(example_inputs))
-        view = _View(cap)
+        cap = Captured(gm, list(example_inputs))
+        view = View(cap)
         plan = self._plan_for(view, cap)
         from .plan import resolve_boundaries
 
@@ -359,11 +123,14 @@ class FxshardBackend:
         object.__setattr__(view, "_bounds", bounds)
         from .api import shard
 
+        from .pipeline import DEFAULT, OVERLAP
+
+        options = dict(self.shard_options)
+        pipeline = options.pop("pipeline", DEFAULT)
         with _outside_dynamo():
-            sm = shard(view, self.mesh, plan, example_inputs=tuple(cap.inputs), **self.shard_options)
+            sm = shard(view, self.mesh, plan, example_inputs=tuple(cap.inputs),
+                       pipeline=pipeline.with_pass(OVERLAP) if self.overlap else pipeline, **options)
         self._share(sm, cap)
-        if self.overlap:
-            overlap(sm)
         self.modules.append(sm)
         run = sm if self.inner in (None, "none") else torch.compile(sm, backend=self.inner, fullgraph=True)
         positions = [i for i, k in enumerate(cap.kinds) if k[0] == "input"]
@@ -374,7 +141,7 @@ class FxshardBackend:
         sharded_graph.sharded_module = sm  # type: ignore[attr-defined]
         return sharded_graph
 
-    def _plan_for(self, view: _View, cap: _Captured) -> dict:
+    def _plan_for(self, view: View, cap: Captured) -> dict:
         """The user plan restricted to entries that match this graph, plus placements already chosen
         for tensors seen in earlier graphs under FQNs the plan does not cover."""
         tensors = [n for n, _ in view.named_parameters(remove_duplicate=False)]
@@ -402,11 +169,12 @@ class FxshardBackend:
         """Plan keys that matched nothing in any graph compiled so far (likely typos)."""
         return [k for k in self.plan if k not in self._matched]
 
-    def _share(self, sm: ShardedModule, cap: _Captured) -> None:
+    def _share(self, sm: ShardedModule, cap: Captured) -> None:
         """Make ``sm`` use the local shards of tensors sharded by earlier graphs; record new ones."""
+        placements = sm.sharding.placements
         for fqn, full in cap.tensors.items():
             i = id(full)
-            pls = sm._placements[fqn]
+            pls = placements[fqn]
             if i in self._local and self._full[i]() is full:
                 if self._placement[i] != pls:
                     raise ShardingError(
@@ -477,21 +245,23 @@ def backend(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *, inner
     return FxshardBackend(mesh, plan, inner=inner, overlap=overlap, **shard_options)
 
 
-_ACTIVE: list[FxshardBackend] = []
+# the backend ``backend="fxshard"`` resolves to, set by backend_options (a context variable: per thread
+# and asyncio task, restored by ``with``)
+_ACTIVE: ContextVar[Optional[FxshardBackend]] = ContextVar("fxshard_backend", default=None)
 
 
 class _Options:
     """Returned by :func:`backend_options`: the active backend, usable as a context manager."""
 
-    def __init__(self, b: FxshardBackend, previous: Optional[FxshardBackend]) -> None:
+    def __init__(self, b: FxshardBackend, token: Token) -> None:
         self.backend = b
-        self._previous = previous
+        self._token = token
 
     def __enter__(self) -> FxshardBackend:
         return self.backend
 
     def __exit__(self, *exc: Any) -> None:
-        _ACTIVE[:] = [self._previous] if self._previous is not None else []
+        _ACTIVE.reset(self._token)
 
     def __getattr__(self, name: str) -> Any:  # parameters(), modules, ... of the backend
         return getattr(self.backend, name)
@@ -507,19 +277,18 @@ def backend_options(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, 
     when ``torch.compile`` is.
     """
     _register()
-    previous = _ACTIVE[0] if _ACTIVE else None
     b = backend(mesh, plan, **options)
-    _ACTIVE[:] = [b]
-    return _Options(b, previous)
+    return _Options(b, _ACTIVE.set(b))
 
 
 def _named_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable:
-    if not _ACTIVE:
+    active = _ACTIVE.get()
+    if active is None:
         raise ShardingError(
             'backend="fxshard" needs a mesh and a plan: call fxshard.backend_options(mesh, plan) before the '
             "compiled model's first call, or pass backend=fxshard.backend(mesh, plan)"
         )
-    return _ACTIVE[0](gm, example_inputs, **kwargs)
+    return active(gm, example_inputs, **kwargs)
 
 
 def _register() -> None:
@@ -534,130 +303,29 @@ def _register() -> None:
 # ---------------------------------------------------------------------------------------------------
 # overlap: issue collectives early, wait late
 
-_WAIT = c10d.wait_tensor.default
-
-
-def _collective_groups(g: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
-    return [(n, next(iter(n.users))) for n in g.nodes if COMM_KEY in n.meta and len(n.users) == 1
-            and next(iter(n.users)).target is _WAIT]
-
-
-def _keeps_order(n: fx.Node) -> bool:
-    """Ops whose relative order is observable: collectives (every rank must issue the same sequence),
-    random ops (the generator's sequence of draws), and ops that mutate an input."""
-    if COMM_KEY in n.meta:
-        return True
-    t = n.target
-    if isinstance(t, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable
-    return False
-
-
-def reorder_for_overlap(gm: fx.GraphModule) -> fx.GraphModule:
-    """Reschedule ``gm`` so collectives are issued as early as their inputs allow and waited as late
-    as possible; recompile. Returns ``gm`` (changed in place).
-
-    Requires a graph whose collectives carry ``COMM_KEY`` and are each read by one ``wait_tensor``.
-    Ensures the same dataflow in another topological order, by list scheduling: the ops the next
-    collective needs (and the collective) run first, then ordinary ops in their original order, and
-    a ``wait_tensor`` only when no other op is ready - so every op independent of a collective's
-    result (e.g. the weight gradients next to an input-gradient all-reduce) runs between its issue
-    and its wait. Collectives, random ops and mutating ops keep their original relative order
-    (every rank issues the same collective sequence; random draws stay bit-identical to eager).
-    """
-    import heapq
-
-    g = gm.graph
-    groups = _collective_groups(g)
-    if not groups:
-        return gm
-    nodes = list(g.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
-    waits = {w for _c, w in groups}
-    deps = {n: set(n.all_input_nodes) for n in nodes}
-    ordered = [n for n in nodes if _keeps_order(n)]
-    for a, b in zip(ordered, ordered[1:]):  # an order edge between consecutive order-keeping ops
-        deps[b].add(a)
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    for n in nodes:
-        for a in deps[n]:
-            users[a].append(n)
-    missing = {n: len(deps[n]) for n in nodes}
-
-    def ancestors(c: fx.Node) -> set:
-        out = {c}
-        stack = [c]
-        while stack:
-            for a in deps[stack.pop()]:
-                if a not in out:
-                    out.add(a)
-                    stack.append(a)
-        return out
-
-    pending = [c for c, _w in groups]  # collectives not issued yet, in order
-    urgent = ancestors(pending[0])  # what the next collective needs: run it first, issue early
-
-    def key(n: fx.Node) -> tuple:
-        if n.op == "placeholder":
-            return (0, index[n])
-        if n.op == "output":
-            return (9, index[n])
-        if n in waits:
-            return (3, index[n])
-        return (1 if n in urgent else 2, index[n])
-
-    ready = [(key(n), index[n], n) for n in nodes if missing[n] == 0]
-    heapq.heapify(ready)
-    order: list[fx.Node] = []
-    while ready:
-        n = heapq.heappop(ready)[2]
-        order.append(n)
-        if pending and n is pending[0]:
-            pending.pop(0)
-            urgent = ancestors(pending[0]) if pending else set()
-            ready = [(key(r), index[r], r) for _k, _i, r in ready]
-            heapq.heapify(ready)
-        for u in users[n]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                heapq.heappush(ready, (key(u), index[u], u))
-    if len(order) != len(nodes):
-        raise ShardingError("internal: reorder_for_overlap could not schedule every node; please report this graph")
-    for prev, n in zip(order, order[1:]):
-        prev.append(n)
-    g.lint()
-    gm.recompile()
-    return gm
-
-
 def overlap(sm: Any) -> Any:
     """Reorder every program of a ShardedModule (or of the ``fxshard.backend`` modules) in place
     with :func:`reorder_for_overlap`; returns ``sm``. Results are unchanged; collective buffers live
     from issue to wait, so peak memory can grow by the in-flight collectives."""
-    for prog in sm._programs():
-        reorder_for_overlap(prog.gm)
+    for prog in sharding_of(sm, "fxshard.compile.overlap").programs:
+        reorder_for_overlap(prog.gm)  # the OVERLAP pass of fxshard.pipeline, on a finished module
     return sm
 
 
-_VIEWISH = {"view", "_unsafe_view", "permute", "expand", "reshape", "t", "transpose", "unsqueeze", "squeeze",
-            "slice", "select", "alias", "sym_size", "getitem"}
-
-
 def _is_compute(n: fx.Node) -> bool:
-    if n.op != "call_function" or COMM_KEY in n.meta or n.target is _WAIT:
+    if n.op != "call_function" or COMM_KEY in n.meta or n.target is c10d.wait_tensor.default:
         return False
-    name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-    return name not in _VIEWISH
+    return not (is_op(n.target, OpClass.VIEW) or is_op(n.target, OpClass.SHAPE_ONLY))
 
 
 def overlap_report(sm: Any) -> list[dict]:
     """Per collective of each program: where it is issued and waited (node positions) and the
     compute nodes that run in between (``overlapped``)."""
     rows = []
-    for prog in sm._programs():
+    for prog in sharding_of(sm, "fxshard.compile.overlap_report").programs:
         nodes = list(prog.gm.graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
-        for c, w in _collective_groups(prog.gm.graph):
+        for c, w in collective_groups(prog.gm.graph):
             between = [n.name for n in nodes[pos[c] + 1: pos[w]] if _is_compute(n)]
             rows.append(dict(program=prog.label, node=c.name, kind=c.meta[COMM_KEY]["kind"], issue=pos[c],
                              wait=pos[w], overlapped=between))

@@ -15,15 +15,14 @@ import torch.nn as nn
 
 from .comm_errors import guard_collective
 from .errors import ShardingError
-from .mesh import MeshInfo
 
 __all__ = ["fingerprint", "check_same_on_all_ranks"]
 
 
-def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, info: MeshInfo, example_inputs: tuple,
-                in_specs: Any, out_specs: Any) -> dict[str, str]:
-    """Named, comparable descriptions of everything that must agree across ranks."""
-    fp = {"mesh": f"{dict(zip(info.names, info.sizes))}", "in_specs": repr(in_specs), "out_specs": repr(out_specs)}
+def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inputs: tuple) -> dict[str, str]:
+    """Named, comparable descriptions of a plan, model and inputs (``frontend.check_consistent`` adds the
+    mesh and specs)."""
+    fp: dict[str, str] = {}
     if isinstance(plan, Mapping):
         fp["plan entries"] = repr(list(plan.keys()))
         for key, spec in plan.items():
@@ -50,6 +49,6 @@ def check_same_on_all_ranks(fp: dict[str, str]) -> None:
             if ref.get(name) != other.get(name):
                 raise ShardingError(
                     f"{name} differs between rank 0 ({ref.get(name, 'absent')}) and rank {rank} "
-                    f"({other.get(name, 'absent')}); every rank must call shard() with the same plan, mesh, "
-                    f"model, modes and input shapes"
+                    f"({other.get(name, 'absent')}); every rank must call shard() (or the jitted function) with the "
+                    f"same plan, mesh, model, modes and input shapes"
                 )

@@ -13,16 +13,25 @@ removes the op again, so the per-rank program holds only the collectives.
 from __future__ import annotations
 
 import contextlib
-import itertools
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["constrain", "CONSTRAIN_OP", "constraint_scope", "constraint_spec"]
+__all__ = ["constrain", "CONSTRAIN_OP", "constraint_scope", "record"]
 
-_SPECS: dict[str, Any] = {}
-_COUNTER = itertools.count()
-_DEPTH = [0]
+
+@dataclass
+class _Scope:
+    """One fxshard trace: the specs its ``constrain`` calls recorded, by key."""
+
+    functional: bool
+    specs: dict[str, Any] = field(default_factory=dict)
+
+
+_SCOPE: ContextVar[Optional[_Scope]] = ContextVar("fxshard_constraint_scope", default=None)
+_SPLIT, _FREE = "split", "free"
 
 
 @torch.library.custom_op("fxshard::constrain", mutates_args=())
@@ -56,8 +65,9 @@ def _splits(spec: Any) -> bool:
 
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
     # a split layout pins its gradient too (sequence parallel's reduce_scatters in backward); a
-    # replicated one does not, so partial gradients can be summed before their single reduction
-    if _splits(_SPECS.get(ctx.key)):
+    # replicated one does not, so partial gradients can be summed before their single reduction.
+    # The key says which (the joint graph is traced after the scope that recorded the spec closed).
+    if ctx.key.endswith(_SPLIT):
         return _constrain(grad, ctx.key), None
     return grad, None
 
@@ -84,35 +94,30 @@ class _ConstrainFn(torch.autograd.Function):
         return _backward(ctx, grad)
 
 
-_FUNCTIONAL = [False]
-
-
 @contextlib.contextmanager
-def constraint_scope(functional: bool = False) -> Iterator[None]:
-    """While active (fxshard tracing), ``constrain`` records constraint ops; ``functional`` when the
-    traced code may differentiate with ``torch.func`` (``fxshard.jit``)."""
-    _DEPTH[0] += 1
-    before, _FUNCTIONAL[0] = _FUNCTIONAL[0], functional
+def constraint_scope(functional: bool = False) -> Iterator[dict[str, Any]]:
+    """While active (fxshard tracing), ``constrain`` records constraint ops; yields the table of the
+    specs they stand for, by key (``passes/annotate.py::constraint_table`` reads it). ``functional``
+    when the traced code may differentiate with ``torch.func`` (``fxshard.jit``). A scope opened
+    inside another records into the outer table."""
+    outer = _SCOPE.get()
+    scope = _Scope(functional or (outer.functional if outer else False), outer.specs if outer else {})
+    token = _SCOPE.set(scope)
     try:
-        yield
+        yield scope.specs
     finally:
-        _DEPTH[0] -= 1
-        _FUNCTIONAL[0] = before
-
-
-def constraint_spec(key: str) -> Any:
-    """The spec a recorded constraint key stands for."""
-    return _SPECS[key]
+        _SCOPE.reset(token)
 
 
 def constrain(x: torch.Tensor, spec: Any) -> torch.Tensor:
     """Require ``x`` to be laid out as ``spec`` (``P(...)``, a placement, or one placement per mesh
     axis, where ``None`` leaves that axis free). Identity when not being sharded by fxshard."""
-    if _DEPTH[0] == 0 or not isinstance(x, torch.Tensor):
+    scope = _SCOPE.get()
+    if scope is None or not isinstance(x, torch.Tensor):
         return x
-    key = f"c{next(_COUNTER)}"
-    _SPECS[key] = spec
-    return _ConstrainFn.apply(x, key) if _FUNCTIONAL[0] else _constrain(x, key)
+    key = f"c{len(scope.specs)}_{_SPLIT if _splits(spec) else _FREE}"
+    scope.specs[key] = spec
+    return _ConstrainFn.apply(x, key) if scope.functional else _constrain(x, key)
 
 
 def record(x: Any, spec: Optional[Any]) -> Any:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from .mesh import MeshInfo
 from .placements import Pl
 
-__all__ = ["ShardContext"]
+__all__ = ["ShardContext", "runtime_device"]
 
 
 @dataclass
@@ -28,3 +30,10 @@ class ShardContext:
     constraints: dict[str, tuple[Optional[Pl], ...]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     label: str = "forward"
+
+
+def runtime_device(ctx: ShardContext) -> torch.device:
+    """The device this rank's program runs on (the mesh's device type; this process's CUDA device)."""
+    if ctx.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(ctx.mesh.device_type)

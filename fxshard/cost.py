@@ -1,36 +1,72 @@
-"""Redistribution cost on one mesh axis, for choosing among strategies (alpha-beta model).
+"""Redistribution cost, for choosing among strategies: a price on the steps of the one planner.
 
-A collective costs ``ALPHA`` (latency, in byte-equivalents) plus the bytes
-one rank sends. Local work (slicing a replicated tensor, zero-filling for
-R->Partial) costs a tiny epsilon, so between otherwise free strategies doing
-nothing wins. A Partial sum becomes a split value by reduce_scatter when a
-consumer needs the split, but the cost model prices that transition like an
-all_reduce: like GSPMD, propagation never invents a split (sequence
-parallelism) on its own; annotations ask for it.
+``transition.plan_transition`` says which steps a layout change takes and the bytes of each;
+``price`` turns those steps into a cost (alpha-beta model): a collective costs ``ALPHA``
+(latency, in byte-equivalents) plus the bytes one rank sends, local work (slicing a replicated
+tensor, zero-filling for R->Partial) a tiny epsilon, so between otherwise free strategies doing
+nothing wins. Two prices are policy, not bytes: like GSPMD, propagation never invents a split
+(sequence parallelism) on its own, so a reduce_scatter is priced like the all_reduce it replaces
+(annotations ask for it); and an all_to_all is priced like the gather it replaces, because greedy
+choices cannot see that a moved split is often gathered again by another consumer.
 """
 
 from __future__ import annotations
 
-from .placements import Pl, R, S
+import functools
+from typing import Sequence
 
-__all__ = ["transition_cost", "EPS", "ALPHA"]
+import torch
+
+from .mesh import MeshInfo
+from .placements import Pl, S
+from .transition import Step, plan_transition
+
+__all__ = ["transition_cost", "price", "step_cost", "EPS", "ALPHA"]
 
 EPS = 1e-6
 ALPHA = 65536.0
 
 
+def step_cost(st: Step, n: int) -> float:
+    """The price of one planned step on an axis of ``n`` ranks (see module doc)."""
+    frac = (n - 1) / n
+    b = float(st.nbytes)
+    if st.kind == "all_gather":
+        return ALPHA + b * frac
+    if st.kind == "all_reduce":
+        return ALPHA + 2 * b * frac
+    if st.kind == "reduce_scatter":  # priced as all_reduce + local slice (policy, see module doc)
+        return ALPHA + 2 * b * frac + EPS * (1 + b)
+    if st.kind == "all_to_all":  # priced as gathering what it moves + local slice (policy)
+        return ALPHA + b * n * frac + EPS * (1 + b * n)
+    if st.kind in ("slice", "to_partial"):
+        return EPS * (1 + b)
+    return 0.0  # casts: part of the collectives they surround
+
+
+def price(steps: Sequence[Step], sizes: Sequence[int], scale: float = 1.0) -> float:
+    """The cost of ``steps`` (bytes multiplied by ``scale``) on a mesh of axis ``sizes``."""
+    total = 0.0
+    for st in steps:
+        if st.axis >= 0:
+            total += step_cost(Step(st.kind, st.axis, st.src, st.dst, st.lshape, st.nbytes * scale), sizes[st.axis])
+    return total
+
+
 def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int) -> float:
-    """Cost of turning ``src`` into ``dst`` for a tensor of ``nbytes`` global bytes on an axis of ``n`` ranks."""
+    """Cost of turning ``src`` into ``dst`` for a tensor of ``nbytes`` global bytes on an axis of ``n`` ranks.
+
+    The planner's steps for a stand-in tensor (one byte per element, every dim of size ``n`` so each
+    split is even), priced with their bytes scaled to ``nbytes``.
+    """
     if src == dst or n == 1:
         return 0.0
-    frac = (n - 1) / n
-    local = EPS * (1 + nbytes)
-    if src == R:
-        return local
-    if isinstance(src, S):
-        # S(a)->S(b) runs as one all_to_all (1/n of a gather's bytes), but it is priced like the gather:
-        # greedy choices cannot see that a moved split is often gathered again by another consumer
-        gather = ALPHA + nbytes * frac
-        return gather if dst == R else gather + local
-    reduce = ALPHA + 2 * nbytes * frac
-    return reduce if dst == R else reduce + local
+    steps, elements = _stand_in_plan(src, dst, n)
+    return price(steps, (n,), nbytes / elements)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stand_in_plan(src: Pl, dst: Pl, n: int) -> tuple[tuple[Step, ...], int]:
+    ndim = 1 + max([p.dim for p in (src, dst) if isinstance(p, S)], default=0)
+    mesh = MeshInfo(("axis",), (n,), (0,), ("",), "cpu", 0)
+    return tuple(plan_transition((src,), (dst,), (n,) * ndim, mesh, torch.uint8)), n ** ndim

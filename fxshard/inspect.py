@@ -7,18 +7,16 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
-from .collectives import COMM_KEY, INSERTED_KEY
+from .ir import COMM_KEY, FALLBACK_KEY, INSERTED_KEY, META_KEY, STRATEGY_KEY
+from .description import sharding_of
 from .module import Program
-from .passes.propagate import FALLBACK_KEY, STRATEGY_KEY
-from .spec import META_KEY, Spec
+from .spec import Spec
 
 __all__ = ["explain", "comm_stats", "collectives"]
 
 
-def _programs(sm: Any) -> list[Program]:
-    if not hasattr(sm, "_programs"):
-        raise TypeError(f"expected a module returned by fxshard.shard or fxshard.jit, got {type(sm).__name__}")
-    return sm._programs()
+def _programs(sm: Any, who: str) -> tuple[Program, ...]:
+    return sharding_of(sm, who).programs
 
 
 def collectives(program: Program) -> list[dict]:
@@ -32,7 +30,7 @@ def comm_stats(sm: Any) -> dict[str, dict[str, dict[str, int]]]:
     ``bytes`` adds up, per collective, the larger of its input and output on one rank.
     """
     out: dict[str, dict[str, dict[str, int]]] = {"forward": {}, "backward": {}}
-    for prog in _programs(sm):
+    for prog in _programs(sm, "fxshard.comm_stats"):
         table = out.setdefault(prog.label, {})
         for c in collectives(prog):
             row = table.setdefault(c["kind"], {"count": 0, "bytes": 0})
@@ -61,13 +59,14 @@ def explain(sm: Any) -> str:
     collective with its bytes and reason (consuming op and source line), then fallbacks; for a
     ShardedModule the first lines also give the per-rank memory report (``fxshard.memory``)."""
     lines: list[str] = []
-    info = sm._info
+    view = sharding_of(sm, "fxshard.explain")
+    info = view.mesh
     lines.append("mesh: " + ", ".join(f"{n}={s}" for n, s in zip(info.names, info.sizes)) + f"  (rank {info.rank})")
-    if hasattr(sm, "_training"):  # a ShardedModule: one line of fxshard.memory
+    if view.is_module:  # a ShardedModule: one line of fxshard.memory
         from .memory import memory
 
         lines.append("memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in memory(sm).items()))
-    for prog in _programs(sm):
+    for prog in view.programs:
         rows = []
         for n in prog.gm.graph.nodes:
             if n.meta.get(INSERTED_KEY) or n.op == "output":

@@ -45,20 +45,19 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-from .api import run_passes
 from .comm_errors import run_program
-from .consistency import check_same_on_all_ranks
 from .constrain import constraint_scope
-from .context import ShardContext
+from .context import ShardContext, runtime_device
+from .description import Sharding
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import Program
-from .passes.annotate import Leaf, check_divisible, constraint_table, spec_leaves
-from .passes.localize import runtime_device
+from .frontend import check_consistent, context_for, graph_outputs, required_outputs
+from .passes.annotate import check_divisible, spec_leaves
 from .passes.trace import DROP, _cse, decomposition_table, tracing_error
+from .pipeline import DEFAULT, Pipeline
 from .placements import P, Pl
 from .plan import is_spec_leaf, to_placements
-from .registry import output_leaves
 from .spec import fmt_placements, shard_factor
 
 __all__ = ["jit", "ShardedFunction"]
@@ -150,8 +149,10 @@ class ShardedFunction:
     ``fxshard.comm_stats`` describe the most recently used program.
     """
 
-    def __init__(self, fn: Callable, mesh: DeviceMesh, in_specs: Any, out_specs: Any) -> None:
+    def __init__(self, fn: Callable, mesh: DeviceMesh, in_specs: Any, out_specs: Any,
+                 pipeline: Pipeline = DEFAULT) -> None:
         self._fn = fn
+        self._pipeline = pipeline
         self._mesh = mesh
         self._info = MeshInfo.of(mesh)
         self._in_specs = in_specs
@@ -178,6 +179,13 @@ class ShardedFunction:
                 f"call it once, or pass example_inputs= (global shapes, meta tensors work) to fxshard.jit"
             )
         return [self._last.program]
+
+    @property
+    def sharding(self) -> Sharding:
+        """A read-only view of the most recently used program (``fxshard.description.Sharding``);
+        a ShardingError before the first trace."""
+        prog = self._programs()[0]
+        return Sharding(self._info, (prog,), prog)
 
     @property
     def graph_module(self) -> fx.GraphModule:
@@ -242,25 +250,23 @@ class ShardedFunction:
     # ---- tracing -----------------------------------------------------------------------------
     def _compile(self, leaves: list[_Leaf], tree: Any) -> _Compiled:
         info = self._info
-        check_same_on_all_ranks({
-            "mesh": f"{dict(zip(info.names, info.sizes))}",
+        check_consistent(info, self._in_specs, self._out_specs, {
             "function": getattr(self._fn, "__qualname__", self.__name__),
-            "in_specs": repr(self._in_specs),
-            "out_specs": repr(self._out_specs),
             "input signature": repr([(l.path, l.global_shape, str(l.dtype)) if l.is_tensor else (l.path, l.value)
                                      for l in leaves]),
         })
-        ctx = ShardContext(mesh=info, label="forward")
-        gm, out_tree = self._trace(leaves, tree, runtime_device(ctx))
+        with constraint_scope(functional=True) as recorded:
+            gm, out_tree = self._trace(leaves, tree, runtime_device(ShardContext(mesh=info)))
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        tensor_leaves = [l for l in leaves if l.is_tensor]
-        for node, leaf in zip(placeholders, tensor_leaves):
+        seeds = {}
+        for node, leaf in zip(placeholders, [l for l in leaves if l.is_tensor]):
             node._rename("in_" + _ident(leaf.path))
             node.target = node.name  # the argument name in the generated code, too
-            ctx.seeds[node.name] = leaf.pls
-        ctx.out_required = self._out_required(gm, out_tree)
-        ctx.constraints = constraint_table(gm, info)  # fxshard.constrain calls in fn mean what they mean in shard()
-        gm = run_passes(gm, ctx)
+            seeds[node.name] = leaf.pls
+        out_required = required_outputs(graph_outputs(gm), out_tree, self._out_specs, info, even_why=_JIT_EVEN)
+        # fxshard.constrain calls in fn mean what they mean in shard()
+        ctx = context_for(gm, info, seeds, out_required, recorded)
+        gm = self._pipeline(gm, ctx)
         return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree, tree, leaves)
 
     def _trace(self, leaves: list[_Leaf], tree: Any, device: torch.device) -> tuple[fx.GraphModule, Any]:
@@ -291,7 +297,7 @@ class ShardedFunction:
             # torch.func); only a graph with in-place ops is re-traced under functionalize, where a mutated
             # argument shows up as a final copy_ into its placeholder (rejected below). The math SDPA
             # backend decomposes attention above autograd, so its backward is plain ATen too.
-            with sdpa_kernel([SDPBackend.MATH]), constraint_scope(functional=True):
+            with sdpa_kernel([SDPBackend.MATH]):
                 gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=_decompositions(),
                              record_stack_traces=True)(*fakes)
             if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
@@ -326,26 +332,6 @@ class ShardedFunction:
         g.eliminate_dead_code()
         gm = _cse(gm)
         return gm, out_tree[0]
-
-    def _out_required(self, gm: fx.GraphModule, out_tree: Any) -> list[Optional[tuple[Pl, ...]]]:
-        out_node = next(n for n in gm.graph.nodes if n.op == "output")
-        outs = output_leaves(out_node)
-        struct = pytree.tree_unflatten([Leaf(f"output leaf {i}") for i in range(len(outs))], out_tree)
-        specs = spec_leaves(self._out_specs, struct, "out_specs") if self._out_specs is not None \
-            else [None] * len(outs)
-        paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(struct)[0]]
-        req: list[Optional[tuple[Pl, ...]]] = []
-        for leaf, spec, path in zip(outs, specs, paths):
-            val = leaf.meta.get("val") if isinstance(leaf, fx.Node) else None
-            what = f"out_specs for output{path}"
-            if isinstance(val, torch.Tensor):
-                pls = to_placements(spec, self._info, val.dim(), what)
-                check_divisible(f"output{path} (shape {tuple(val.shape)})", tuple(val.shape), pls, self._info,
-                                uneven=False, even_why=_JIT_EVEN)
-                req.append(pls)
-            else:  # a Python scalar (or None): the same on every rank
-                req.append(None)
-        return req
 
     # ---- running -----------------------------------------------------------------------------
     def lower(self, *global_args: Any) -> "ShardedFunction":
@@ -441,7 +427,7 @@ def _check_spec_tree(specs: Any, what: str, info: MeshInfo) -> None:
 
 
 def jit(fn: Callable, mesh: DeviceMesh, *, in_specs: Any = None, out_specs: Any = None,
-        example_inputs: Optional[Sequence[Any]] = None) -> ShardedFunction:
+        example_inputs: Optional[Sequence[Any]] = None, pipeline: Pipeline = DEFAULT) -> ShardedFunction:
     """Shard the pure function ``fn`` over ``mesh``; returns this rank's :class:`ShardedFunction`.
 
     ``fn(*args)`` takes and returns pytrees (tuples, lists, dicts) of tensors;
@@ -483,11 +469,11 @@ def jit(fn: Callable, mesh: DeviceMesh, *, in_specs: Any = None, out_specs: Any 
     or each new value traces again. Differentiate inside ``fn``: the returned
     function runs under ``no_grad``. Uneven shards are not supported (split
     dims must divide). Spec errors and calls with the wrong number of
-    arguments raise ShardingError.
+    arguments raise ShardingError. ``pipeline`` is the pass pipeline, as for ``fxshard.shard``.
     """
     if not callable(fn):
         raise ShardingError(f"fxshard.jit expects a function, got {type(fn).__name__}; pass the step function itself")
-    sf = ShardedFunction(fn, mesh, in_specs, out_specs)
+    sf = ShardedFunction(fn, mesh, in_specs, out_specs, pipeline)
     if isinstance(in_specs, (tuple, list)) and not is_spec_leaf(in_specs):
         for i, s in enumerate(in_specs):
             name = sf._arg_names[i] if i < len(sf._arg_names) else f"args[{i}]"

@@ -21,8 +21,10 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from .collectives import hint
+from .description import Sharding, sharding_of
 from .errors import ShardingError
-from .spec import META_KEY, Spec
+from .ir import META_KEY, VIEW_OPS
+from .spec import Spec
 from .symbolic import sym_dim, sym_shape
 
 aten = torch.ops.aten
@@ -31,14 +33,6 @@ __all__ = ["memory", "program_peak", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
-
-VIEW_OPS = {
-    aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.t.default, aten.transpose.int,
-    aten.expand.default, aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.dims,
-    aten.squeeze.default, aten.unsqueeze.default, aten.alias.default, aten.split.Tensor,
-    aten.split_with_sizes.default, aten.unbind.int, aten.as_strided.default, aten.reshape.default,
-    torch.ops._c10d_functional.wait_tensor.default,
-}
 
 
 def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None) -> dict[fx.Node, Any]:
@@ -119,12 +113,12 @@ def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bo
     return peak
 
 
-def _saved_state(sm: Any) -> frozenset:
+def _saved_state(view: Sharding) -> frozenset:
     """Positions of the backward's saved inputs that are parameters/buffers themselves (already in
     ``params``/``buffers``, so not activation memory)."""
-    tr = sm._training
+    tr = view.training
     fwd_ph = [n for n in tr.fwd.gm.graph.nodes if n.op == "placeholder"]
-    state = {n for n, slot in zip(fwd_ph, sm._slots) if slot.kind in ("param", "buffer")}
+    state = {n for n, slot in zip(fwd_ph, view.slots) if slot.kind in ("param", "buffer")}
     out = next(n for n in tr.fwd.gm.graph.nodes if n.op == "output")
     saved = list(out.args[0])[tr.n_out:]
     return frozenset(i for i, s in enumerate(saved) if s in state)
@@ -137,20 +131,24 @@ def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
     the backward) and ``backward`` programs. Works on the fake process group for any world size."""
     if optimizer not in OPTIMIZER_STATES:
         raise ShardingError(f"memory(): unknown optimizer {optimizer!r}; use one of {sorted(k for k in OPTIMIZER_STATES if k)}")
-    sizes, coords = sm._info.sizes, sm._info.coords
-    dev = sm._info.device_type
+    view = sharding_of(sm, "fxshard.memory")
+    if not view.is_module:
+        raise ShardingError("fxshard.memory describes a ShardedModule (parameters, gradients, optimizer state); "
+                            "for a jitted function use fxshard.explain or fxshard.comm_stats")
+    sizes, coords = view.mesh.sizes, view.mesh.coords
+    dev = view.mesh.device_type
     params = {id(p): p for p in sm.parameters()}.values()
     pbytes = sum(p.numel() * p.element_size() for p in params)
     gbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
     report = {
         "params": pbytes,
         "buffers": sum(b.numel() * b.element_size() for b in sm.buffers()),
-        "grads": gbytes if sm._training is not None else 0,
+        "grads": gbytes if view.training is not None else 0,
         "optimizer": OPTIMIZER_STATES[optimizer] * gbytes,
-        "inference_peak": program_peak(sm._fwd.gm, sizes, dev, coords=coords),
+        "inference_peak": program_peak(view.inference.gm, sizes, dev, coords=coords),
     }
-    if sm._training is not None:
-        report["forward_peak"] = program_peak(sm._training.fwd.gm, sizes, dev, coords=coords)
-        report["backward_peak"] = program_peak(sm._training.bwd.gm, sizes, dev, inputs_live=True, coords=coords,
-                                               not_counted=_saved_state(sm))
+    if view.training is not None:
+        report["forward_peak"] = program_peak(view.training.fwd.gm, sizes, dev, coords=coords)
+        report["backward_peak"] = program_peak(view.training.bwd.gm, sizes, dev, inputs_live=True, coords=coords,
+                                               not_counted=_saved_state(view))
     return report

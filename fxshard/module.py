@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from .comm_errors import run_program
+from .description import Sharding
 from .errors import ShardingError
 from .inputs import InputCheck
 from .mesh import MeshInfo
@@ -238,6 +240,15 @@ class ShardedModule(nn.Module):
         if progs is not self._current:  # no attribute write on the common path (torch.compile traces this)
             self._current = progs
         return progs
+
+    @property
+    def sharding(self) -> Sharding:
+        """A read-only view of the plan and programs (``fxshard.description.Sharding``): what
+        ``fxshard.explain``, ``comm_stats`` and ``memory`` describe."""
+        cur = self._current
+        return Sharding(self._info, tuple(self._programs()), cur.forward, cur.training,
+                        MappingProxyType(dict(self._placements)), MappingProxyType(dict(self._global_shapes)),
+                        tuple(cur.traced.slots), is_module=True)
 
     def _programs(self) -> list[Program]:
         """Training forward/backward when the module trains, else the inference forward: those of the

@@ -33,13 +33,14 @@ class Strategy:
 
     ``inputs[i]`` is the placement tensor input ``i`` must have; ``output`` is
     the placement of the result (a tuple for multi-output ops). ``lowering``
-    names a rank-dependent local rewrite the localize pass must apply (e.g.
-    a masked embedding lookup for a vocab-sharded table).
+    is a rank-dependent local rewrite the localize pass must apply, a
+    ``fxshard.lowering.Lowering`` defined next to the rule (e.g. the masked
+    embedding lookup of a vocab-sharded table, ``rules/embedding.py``).
     """
 
     inputs: tuple[Pl, ...]
     output: OutPl
-    lowering: Optional[str] = None
+    lowering: Optional[str] = None  # a fxshard.lowering.Lowering (a str subclass: its name)
 
 
 @dataclass

@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 set +e
 # --durations: the slowest tests close the log, so CI shows where the time goes.
-OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+FXSHARD_VERIFY=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then echo "FAIL: pytest collected no tests" >&2; exit 1; fi

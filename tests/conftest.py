@@ -15,12 +15,16 @@ use ``tests.dist_utils.run_ranks``).
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Iterator, Optional, Sequence
 
 import pytest
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
+
+# every pipeline in the suite runs under the verifier (fxshard/passes/verify.py), rank processes too
+os.environ.setdefault("FXSHARD_VERIFY", "1")
 
 
 @contextlib.contextmanager

@@ -238,3 +238,11 @@ def test_fallback_result_is_correct_on_two_ranks():
         assert res["err"] <= 1e-5
         assert res["w1"] == (16, 16)  # still sharded around the fallback
         assert any("no sharding rule for aten.flip.default" in w for w in res["warnings"]), res["warnings"]
+
+
+def test_inspecting_something_not_sharded_is_a_sharding_error():
+    """explain/comm_stats/memory name what they were given and how to get a sharded module (not a TypeError)."""
+    for fn in (fxshard.explain, fxshard.comm_stats, fxshard.memory):
+        with pytest.raises(fxshard.ShardingError, match=r"fxshard\.\w+ expects a module returned by fxshard\.shard.*"
+                                                        r"got Linear"):
+            fn(nn.Linear(2, 2))

@@ -152,3 +152,33 @@ def test_in_specs_cover_keyword_inputs():
     for res in run_ranks(_kwarg_specs, 2):
         assert res["err"] <= TOL
         assert res["stats"]["forward"] == {}  # both inputs arrive batch-split: nothing to communicate
+
+
+class _Upsample(torch.nn.Module):
+    """Inference programs keep ``F.interpolate(scale_factor=...)`` as ``upsample_*2d.vec`` (rules/pool.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 2.0, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * self.scale
+        return (torch.nn.functional.interpolate(y, scale_factor=2, mode="nearest")
+                + torch.nn.functional.interpolate(y, scale_factor=2, mode="bilinear"))
+
+
+def _upsample(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    model = _Upsample().requires_grad_(False)
+    x = torch.randn(5, 3, 4, 6, generator=torch.Generator().manual_seed(2))  # batch 5: uneven pieces 3 + 2
+    ref = model(x)
+    sm = fxshard.shard(model, mesh, {}, example_inputs=(x,), in_specs=P("tp"), out_specs=P("tp"))
+    out = sm(x.chunk(world)[rank])
+    return {"err": (out - ref.chunk(world)[rank]).abs().max().item(), "stats": fxshard.comm_stats(sm)["forward"],
+            "fallbacks": sm.sharding.fallbacks}
+
+
+def test_upsample_vec_follows_the_batch_split():
+    for res in run_ranks(_upsample, 2):
+        assert res["err"] <= TOL
+        assert res["fallbacks"] == [] and res["stats"] == {}, res

@@ -6,7 +6,7 @@ collective counts, not numbers (``test_forward_parity.py`` does numbers).
 Models are frozen (``requires_grad_(False)``) so ``shard`` builds the inference
 program only.
 
-``check_invariants`` is the verifier of the design brief; every test that
+``check_invariants`` runs the verifier (``fxshard/passes/verify.py``); every test that
 produces a graph runs it, after each pass where the test drives the passes.
 """
 
@@ -16,7 +16,7 @@ import contextlib
 import difflib
 import os
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -31,16 +31,15 @@ from fxshard.collectives import COMM_KEY, INSERTED_KEY
 from fxshard.context import ShardContext
 from fxshard.mesh import MeshInfo
 from fxshard.passes.annotate import annotate
-from fxshard.passes.emit import emit
 from fxshard.passes.localize import localize
 from fxshard.passes.propagate import FALLBACK_KEY, IN_KEY, STRATEGY_KEY, propagate
 from fxshard.passes.redistribute import redistribute
 from fxshard.passes.trace import trace_forward
+from fxshard.passes.verify import verify
+from fxshard.pipeline import DEFAULT
 from fxshard.placements import Part, R, S
 from fxshard.plan import resolve_plan, to_placements
-from fxshard.registry import tensor_inputs
 from fxshard.spec import META_KEY, Spec
-from fxshard.symbolic import sym_shape
 from tests import models
 from tests.test_forward_parity import transformer_plan
 from tests.conftest import fake_world
@@ -50,10 +49,6 @@ c10d = torch.ops._c10d_functional
 PS = Part("sum")
 GOLDEN = Path(__file__).parent / "golden"
 TOY_PLAN = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-COLLECTIVES = {
-    c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-    c10d.all_to_all_single.default, c10d.broadcast.default,
-}
 
 
 
@@ -75,70 +70,9 @@ def transformer(n_layers: int = 1, **kw: Any) -> nn.Module:
 # ----------------------------------------------------------------------------- verifier
 
 
-def _same_local(have: tuple, want: tuple, coords: Sequence[int]) -> bool:
-    """Whether a value laid out as ``have`` is, on this rank, already laid out as ``want``.
-
-    Besides equality, one transition needs no code: a replicated value *is* a valid partial term
-    where the reduction is max/min, and for sum on the rank with coordinate 0 (the others hold zeros).
-    """
-    return all(h == w or (h == R and isinstance(w, Part) and (w.op != "sum" or c == 0))
-               for h, w, c in zip(have, want, coords))
-
-
-def check_invariants(gm: fx.GraphModule, stage: str = "emit", coords: Optional[Sequence[int]] = None) -> None:
-    """The invariants between passes (``stage`` names the pass that just ran; ``coords`` is this
-    rank's mesh coordinate, default all zeros).
-
-    * the graph lints;
-    * every tensor-valued node has a Spec of its global shape (tuples for multi-output ops), except
-      nodes fxshard inserted;
-    * after redistribute: every collective carries its reason and has exactly one user, a
-      ``wait_tensor``; every ``wait_tensor`` waits on a collective; no node reads a placeholder laid
-      out differently from what its strategy requires, nor any other input (inputs that a
-      lowering replaced by inserted code aside).
-    """
-    gm.graph.lint()
-    n_axes: set[int] = set()
-    for n in gm.graph.nodes:
-        if n.op not in ("placeholder", "call_function") or n.meta.get(INSERTED_KEY):
-            continue
-        val, spec = n.meta.get("val"), n.meta.get(META_KEY)
-        if isinstance(val, torch.Tensor):
-            assert isinstance(spec, Spec), f"{stage}: {n.name} has no spec"
-            assert tuple(spec.shape) == sym_shape(val), f"{stage}: {n.name} spec shape {spec.shape}"
-            n_axes.add(len(spec.placements))
-        elif isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
-            assert isinstance(spec, tuple) and len(spec) == len(val), f"{stage}: {n.name} has no specs"
-            for v, s in zip(val, spec):
-                assert isinstance(s, Spec) == isinstance(v, torch.Tensor), f"{stage}: {n.name} {spec}"
-    assert len(n_axes) == 1, f"{stage}: specs disagree on the number of mesh axes {n_axes}"
-    coords = tuple(coords) if coords is not None else (0,) * n_axes.pop()
-    if stage == "propagate":
-        for n in gm.graph.nodes:
-            assert n.target not in COLLECTIVES
-        return
-    for n in gm.graph.nodes:
-        if n.target in COLLECTIVES:
-            assert COMM_KEY in n.meta and n.meta[COMM_KEY]["consumer"], f"{n.name} has no reason"
-            users = list(n.users)
-            assert len(users) == 1 and users[0].target is c10d.wait_tensor.default, f"{n.name} users {users}"
-        if n.target is c10d.wait_tensor.default:
-            assert n.args[0].target in COLLECTIVES, f"{n.name} waits on {n.args[0]}"
-        req = n.meta.get(IN_KEY)
-        if req is None:
-            continue
-        ins = tensor_inputs(n)
-        lowered = any(st.lowering for st in n.meta.get(STRATEGY_KEY, ()))
-        if len(ins) != len(req):
-            assert lowered and stage in ("localize", "emit"), f"{n.name}: {len(ins)} inputs, {len(req)} needs"
-        for i, (inp, want) in enumerate(zip(ins, req)):
-            spec = inp.meta.get(META_KEY)
-            if inp.op == "placeholder":
-                assert _same_local(spec.placements, tuple(want), coords), \
-                    f"{n.name} reads placeholder {inp.name} ({spec}) but needs {want}"
-            elif isinstance(spec, Spec) and len(ins) == len(req):
-                assert _same_local(spec.placements, tuple(want), coords), \
-                    f"{n.name} input {i} {inp.name} is {spec}, needs {want}"
+def check_invariants(gm: fx.GraphModule, stage: str, ctx: ShardContext) -> None:
+    """The verifier (``fxshard/passes/verify.py``) with the facts in force after pass ``stage``."""
+    verify(gm, ctx, DEFAULT.facts_after(stage), stage)
 
 
 def prepare(model: nn.Module, mesh, plan: Optional[dict], inputs: tuple, in_specs: Any = None,
@@ -154,17 +88,18 @@ def prepare(model: nn.Module, mesh, plan: Optional[dict], inputs: tuple, in_spec
 
 
 def run_all(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
-    for p in (propagate, redistribute, localize, emit):
-        gm = p(gm, ctx)
-        check_invariants(gm, p.__name__, ctx.mesh.coords)
+    for p in DEFAULT.passes:
+        gm = p.fn(gm, ctx)
+        check_invariants(gm, p.name, ctx)
     return gm
 
 
 def shard_checked(model, mesh, plan, inputs, **kw) -> fxshard.ShardedModule:
     """``fxshard.shard`` with the invariants checked on every program it built."""
     sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, **kw)
+    ctx = ShardContext(MeshInfo.of(mesh))
     for prog in sm._programs():
-        check_invariants(prog.gm, coords=mesh.get_coordinate())
+        check_invariants(prog.gm, "emit", ctx)
     return sm
 
 
@@ -207,7 +142,7 @@ def test_fixture_gives_a_fresh_world(fake_mesh, n):
 def test_propagate_toy_model(mesh2):
     gm, ctx = prepare(toy(), mesh2, TOY_PLAN, (toy_x(),))
     propagate(gm, ctx)
-    check_invariants(gm, "propagate")
+    check_invariants(gm, "propagate", ctx)
     ph = {n.name: spec(n) for n in gm.graph.nodes if n.op == "placeholder"}
     assert ph == {"p_net1_weight": (S(0),), "p_net1_bias": (S(0),), "p_net2_weight": (S(1),),
                   "p_net2_bias": (R,), "x": (R,)}
@@ -228,7 +163,7 @@ def test_propagate_transformer_heads_and_attention(mesh2, fused):
     with backend:  # the math backend traces attention to bmm/softmax pieces
         gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
     propagate(gm, ctx)
-    check_invariants(gm, "propagate")
+    check_invariants(gm, "propagate", ctx)
     by_shape: dict = {}
     for n in gm.graph.nodes:
         if isinstance(n.meta.get(META_KEY), Spec) and n.op == "call_function":
@@ -318,13 +253,13 @@ def test_localize_rewrites_head_count(mesh2):
         gm, ctx = prepare(transformer(1), mesh2, transformer_plan(1), (models.make_tokens(2, 16, 64),))
     gm = propagate(gm, ctx)
     gm = redistribute(gm, ctx)
-    check_invariants(gm, "redistribute", ctx.mesh.coords)
+    check_invariants(gm, "redistribute", ctx)
     heads = [n for n in ops(gm, aten.view.default) if len(n.args[1]) == 4 and n.args[1][2] == 4]
     assert len(heads) == 3 and all(list(n.args[1]) == [2, 16, 4, 8] for n in heads)
     merged = [n for n in ops(gm, aten.view.default) if list(n.args[1]) == [8, 16, 8]]
     assert merged
     gm = localize(gm, ctx)
-    check_invariants(gm, "localize", ctx.mesh.coords)
+    check_invariants(gm, "localize", ctx)
     assert all(list(n.args[1]) == [2, 16, 2, 8] for n in heads)  # 4 heads -> 2 per rank
     assert all(list(n.args[1]) == [4, 16, 8] for n in merged)  # B*H = 8 -> 4 (strided split)
     for n in ops(gm, aten.view.default) + ops(gm, aten.expand.default):  # every size matches the local shape

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fxshard
+from fxshard.models import llama_seed003_plan  # noqa: F401  (also used by other tests)
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_training import _max_param_diff, _train
@@ -97,27 +98,6 @@ def test_torch_test_transformer_sequence_parallel(seq):
         assert bwd["reduce_scatter"]["count"] == 2 * 2 + 1 and bwd["all_gather"]["count"] == 2 * 2 + 2
         # the only backward all_reduces are the replicated norm weights' gradients (tiny), as in Megatron-SP
         assert bwd["all_reduce"]["count"] == 2 * (2 * 2 + 1) and bwd["all_reduce"]["bytes"] <= 10 * 16 * 4
-
-
-def llama_seed003_plan() -> dict:
-    """Seed 003's Llama plan: sequence-parallel norms, PrepareModuleInput on attention and
-    feed-forward, rowwise outputs into sequence shards, loss parallel through a colwise head."""
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), use_local_output=False),
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-    }
 
 
 def llama_seed003_train(rank: int, world: int, seq: int = 16, vocab: int = 64) -> dict:

@@ -11,6 +11,7 @@ from fxshard import registry
 from fxshard.placements import Part, R, S
 from fxshard.registry import Strategy, registered_ops
 from fxshard.rules import validate
+from fxshard.rules.embedding import MASKED_EMBEDDING
 
 aten = torch.ops.aten
 
@@ -50,7 +51,7 @@ def test_validator_catches_a_missing_lowering(monkeypatch):
     checked, bad = validate.check_call(aten.embedding.default, (w, idx))
     assert checked == 1 and len(bad) == 1
     _swap_rule(monkeypatch, aten.embedding.default,
-               lambda call, n: [Strategy((S(0), R), Part("sum"), lowering="masked_embedding")])
+               lambda call, n: [Strategy((S(0), R), Part("sum"), lowering=MASKED_EMBEDDING)])
     assert validate.check_call(aten.embedding.default, (w, idx)) == (1, [])
 
 

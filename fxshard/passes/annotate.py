@@ -19,10 +19,11 @@ from ..context import ShardContext
 from ..errors import ShardingError
 from ..mesh import MeshInfo
 from ..placements import Pl, R
-from ..constrain import CONSTRAIN_OP, constraint_spec
+from ..constrain import CONSTRAIN_OP
 from ..plan import check_divisible, constraint_placements, is_spec_leaf, to_placements
 from ..symbolic import sym_shape
-from .trace import Traced, source_line
+from ..ir import source_line
+from .trace import Traced
 
 __all__ = ["annotate", "spec_leaves", "check_divisible", "constraint_table", "Leaf"]
 
@@ -73,7 +74,10 @@ def spec_leaves(specs: Any, values: Any, what: str) -> list[Any]:
 
 
 def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]], args: tuple, kwargs: dict,
-             in_specs: Any, out_required: list[Optional[tuple[Pl, ...]]], label: str = "forward") -> ShardContext:
+             in_specs: Any, out_required: list[Optional[tuple[Pl, ...]]], label: str = "forward",
+             constraints: Optional[dict[str, Any]] = None) -> ShardContext:
+    """See module doc; ``constraints`` holds the specs ``fxshard.constrain`` recorded while tracing
+    (``constrain.constraint_scope``), by key."""
     ctx = ShardContext(mesh=mesh, label=label)
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     if kwargs and isinstance(in_specs, tuple) and len(in_specs) == 2 and isinstance(in_specs[1], dict):
@@ -105,16 +109,20 @@ def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]
             pls = (R,) * len(mesh.sizes)
         ctx.seeds[node.name] = pls
     ctx.out_required = list(out_required)
-    ctx.constraints = constraint_table(traced.gm, mesh)
+    ctx.constraints = constraint_table(traced.gm, mesh, constraints or {})
     return ctx
 
 
-def constraint_table(gm: Any, mesh: MeshInfo) -> dict[str, tuple[Optional[Pl], ...]]:
-    """The placements each ``fxshard::constrain`` node of ``gm`` pins, by its key (``ShardContext.constraints``)."""
+def constraint_table(gm: Any, mesh: MeshInfo, specs: dict[str, Any]) -> dict[str, tuple[Optional[Pl], ...]]:
+    """The placements each ``fxshard::constrain`` node of ``gm`` pins, by its key (``ShardContext.constraints``);
+    ``specs`` are the specs recorded while tracing ``gm``, by key."""
     table = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is CONSTRAIN_OP:
             key = node.args[1]
+            if key not in specs:
+                raise ShardingError(f"internal: the constraint {key} at {source_line(node) or node.name} was not "
+                                    f"recorded while tracing; please report this model")
             table[key] = constraint_placements(
-                constraint_spec(key), mesh, node.meta["val"].dim(), f"constraint at {source_line(node) or node.name}")
+                specs[key], mesh, node.meta["val"].dim(), f"constraint at {source_line(node) or node.name}")
     return table

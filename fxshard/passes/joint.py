@@ -44,11 +44,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 from torch.utils import _pytree as pytree
 
 from ..errors import ShardingError
-from ..collectives import INSERTED_KEY
-from ..memory import VIEW_OPS
+from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
 from ..registry import output_leaves
-from .trace import (FUSED_GRAD_ARGS, STOP_KEY, Traced, _cse, joint_decomposition_table, quiet_unless_ok, source_line,
-                    tracing_error)
+from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_error
 
 __all__ = ["Joint", "trace_joint", "partition", "Split"]
 

@@ -24,17 +24,16 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from ..collectives import INSERTED_KEY
-from ..memory import VIEW_OPS
+from ..ir import INSERTED_KEY, VIEW_OPS, OpClass, is_op
 
 aten = torch.ops.aten
 
 __all__ = ["pin_layouts", "LAYOUT_FOLLOWS_INPUTS"]
 
-LAYOUT_FOLLOWS_INPUTS = {
+LAYOUT_FOLLOWS_INPUTS = frozenset(op for op in (
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
+) if is_op(op, OpClass.LAYOUT_FOLLOWS_INPUTS))
 
 
 def _memory_order(val: torch.Tensor) -> Optional[list[int]]:

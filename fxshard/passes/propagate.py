@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -30,21 +30,14 @@ from ..errors import ShardingError
 from ..placements import Part, Pl, R
 from ..registry import OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
 from ..constrain import CONSTRAIN_OP
-from ..spec import META_KEY, Spec, fmt_placements, shard_factor, split_ok
+from ..ir import (FALLBACK_KEY, IN_KEY, META_KEY, STRATEGY_KEY, NodeSharding, OpClass, is_op, set_sharding, source_line,
+                  spec_of)
+from ..spec import Spec, fmt_placements, shard_factor, split_ok
 from ..symbolic import is_concrete, sym_shape
-from .trace import source_line
 
 __all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of", "strategy_valid", "out_specs"]
 
-IN_KEY = "fxshard_in"
-STRATEGY_KEY = "fxshard_strategy"
-FALLBACK_KEY = "fxshard_fallback"
 _WARNED: set[str] = set()
-
-
-def spec_of(node: fx.Node) -> Optional[Spec]:
-    s = node.meta.get(META_KEY)
-    return s if isinstance(s, Spec) else None
 
 
 def _nbytes(val: torch.Tensor) -> float:
@@ -141,7 +134,6 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         uneven = allows_uneven(node.target)
         if rule is None:
             _warn_fallback(ctx, node)
-            node.meta[FALLBACK_KEY] = True
         chosen: list[Strategy] = []
         for a in range(k):
             call = OpCall(node, [s.shape for s in in_specs], [s.placements[a] for s in in_specs], out_shape,
@@ -163,14 +155,12 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             for i, s, p in zip(ins, in_specs, st.inputs):
                 if p != s.placements[a]:
                     avail.setdefault((i.name, a), set()).add(p)
-        node.meta[STRATEGY_KEY] = tuple(chosen)
-        node.meta[IN_KEY] = [tuple(st.inputs[i] for st in chosen) for i in range(len(ins))]
-        node.meta[META_KEY] = out_specs(node, chosen, out_shape)
+        set_sharding(node, NodeSharding(out_specs(node, chosen, out_shape),
+                                        tuple(tuple(st.inputs[i] for st in chosen) for i in range(len(ins))),
+                                        tuple(chosen), fallback=rule is None,
+                                        why=f"no sharding rule for {node.target}" if rule is None else ""))
     _refine(gm, ctx)
     return gm
-
-
-_BASE_VIEWS = {torch.ops.aten.permute.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
 
 
 def _replicate_at_base(ins: list[fx.Node], chosen: list[Strategy], avail: dict) -> None:
@@ -182,7 +172,7 @@ def _replicate_at_base(ins: list[fx.Node], chosen: list[Strategy], avail: dict) 
         for x in {x for x, want in zip(ins, st.inputs) if want == R}:
             if any(y is x and want != R for y, want in zip(ins, st.inputs)):
                 continue
-            while (x.op == "call_function" and x.target in _BASE_VIEWS and len(x.users) == 1
+            while (x.op == "call_function" and is_op(x.target, OpClass.BASE_VIEW) and len(x.users) == 1
                    and STRATEGY_KEY in x.meta and not x.meta.get(FALLBACK_KEY)):
                 spec = x.meta[META_KEY]
                 base = tensor_inputs(x)[0]

@@ -17,9 +17,8 @@ from ..collectives import Emitter, redistribute_nodes
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
 from ..registry import tensor_inputs
-from ..spec import META_KEY, fmt_placements
-from .propagate import IN_KEY
-from .trace import source_line
+from ..ir import IN_KEY, META_KEY, source_line
+from ..spec import fmt_placements
 
 __all__ = ["redistribute"]
 

@@ -29,12 +29,12 @@ import torch
 import torch.fx as fx
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
+from ..ir import IN_KEY, META_KEY, OpClass, is_op
+from ..spec import Spec
+
 aten = torch.ops.aten
 
 __all__ = ["drop_noop_clones", "fold_views"]
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default)
-
 
 def _is_mutating(n: fx.Node) -> bool:
     schema = getattr(n.target, "_schema", None)
@@ -78,9 +78,6 @@ def drop_noop_clones(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _read_base(n: fx.Node, base: fx.Node, *rest: Any) -> None:
     """Make view ``n`` read ``base`` directly; its input requirement becomes ``base``'s layout."""
-    from ..spec import META_KEY, Spec
-    from .propagate import IN_KEY
-
     n.args = (base,) + rest
     spec = base.meta.get(META_KEY)
     if IN_KEY in n.meta and isinstance(spec, Spec):
@@ -111,7 +108,7 @@ def fold_views(gm: fx.GraphModule) -> fx.GraphModule:
                 changed = True
             if perm == list(range(k)):
                 changed |= _replace(n, n.args[0])
-        elif base is not None and n.target in _VIEWS and a.target in _VIEWS:
+        elif base is not None and is_op(n.target, OpClass.RESHAPE) and is_op(a.target, OpClass.RESHAPE):
             _read_base(n, base, *n.args[1:])
             changed = True
     if changed:

@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ..constrain import constraint_scope, record
 from ..errors import ShardingError
+from ..ir import STOP_KEY, source_line
 from .simplify import drop_noop_clones
 
 aten = torch.ops.aten
@@ -192,7 +193,6 @@ def _stop_gradient_fake(x: torch.Tensor) -> torch.Tensor:
 
 _stop_gradient.register_autograd(lambda ctx, grad: None)
 _STOP = torch.ops.fxshard.stop_gradient.default
-STOP_KEY = "fxshard_stop_gradient"
 
 
 def _mark_stop_gradients(gm: fx.GraphModule) -> None:
@@ -249,21 +249,6 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
     out = res.graph_module if res.modified else gm
     out.recompile()
     return out
-
-
-def source_line(node: fx.Node) -> str:
-    """``file:line code`` of the innermost user frame that produced ``node`` (not torch's)."""
-    st = node.meta.get("stack_trace") or ""
-    lines = [l.strip() for l in st.strip().splitlines()]
-    best = ""
-    for i, l in enumerate(lines):
-        if l.startswith("File ") and f"{os.sep}torch{os.sep}" not in l:
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
-            parts = l.split('"')
-            fname = os.path.basename(parts[1]) if len(parts) > 1 else l
-            lineno = l.split("line ")[1].split(",")[0] if "line " in l else "?"
-            best = f"{fname}:{lineno} {code}".strip()
-    return best
 
 
 def _user_frame(exc: BaseException) -> str:

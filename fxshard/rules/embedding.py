@@ -5,12 +5,74 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..collectives import Emitter
+from ..context import ShardContext
+from ..ir import META_KEY
+from ..lowering import Lowering, chunk_start, set_arg, shifted_index, zero_misses_after
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dim, register
+from ..registry import OpCall, Strategy, norm_dim, register, tensor_inputs
 from ..spec import can_split
 from ..symbolic import equal
 
 aten = torch.ops.aten
+
+
+# ---- lowerings: this rank holds a range of a table split on a dim; indices outside it are misses
+
+def _masked_embedding(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """``embedding(table, idx)``: look up hits, zero the rows of misses."""
+    safe, miss = shifted_index(Emitter(g, node, {}), node, tensor_inputs(node)[0], node.args[1], 0, ctx)
+    set_arg(node, 1, safe)
+    zero_misses_after(g, node, miss, unsqueeze=True)
+
+
+def _masked_embedding_backward(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """``embedding_dense_backward(grad, idx, V, pad, freq)``: gradients of this rank's rows only."""
+    e = Emitter(g, node, {})
+    safe, miss = shifted_index(e, node, node, node.args[1], 0, ctx)
+    pad = node.args[3]
+    if pad >= 0:  # the padding row gets no gradient: drop its tokens like misses
+        miss = e.op(aten.logical_or.default, miss, e.op(aten.eq.Scalar, node.args[1], pad))
+    grad = e.op(aten.masked_fill.Scalar, node.args[0], e.op(aten.unsqueeze.default, miss, -1), 0.0)
+    node.args = (grad, safe, int(chunk_start(node.meta[META_KEY], 0, ctx)[1]), -1) + tuple(node.args[4:])
+
+
+def _masked_gather(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """``gather(x, dim, idx)``: gather hits, zero misses."""
+    x = tensor_inputs(node)[0]
+    dim = norm_dim(node.args[1], len(x.meta[META_KEY].shape))
+    safe, miss = shifted_index(Emitter(g, node, {}), node, x, node.args[2], dim, ctx)
+    set_arg(node, 2, safe)
+    zero_misses_after(g, node, miss, unsqueeze=False)
+
+
+def _masked_index_put(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """``index_put(self, [idx], values, accumulate=True)``: add zeros for misses."""
+    e = Emitter(g, node, {})
+    safe, miss = shifted_index(e, node, tensor_inputs(node)[0], node.args[1][0], 0, ctx)
+    values = node.args[2]
+    extra = len(values.meta["val"].shape) - len(node.args[1][0].meta["val"].shape)
+    for _ in range(extra):  # broadcast the index-shaped mask over the rows of values
+        miss = e.op(aten.unsqueeze.default, miss, -1)
+    set_arg(node, 1, [safe])
+    set_arg(node, 2, e.op(aten.masked_fill.Scalar, values, miss, 0.0))
+
+
+def _masked_scatter_add(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """``scatter_add(self, dim, idx, src)``: add zeros for misses."""
+    x = tensor_inputs(node)[0]
+    dim = norm_dim(node.args[1], len(x.meta[META_KEY].shape))
+    e = Emitter(g, node, {})
+    safe, miss = shifted_index(e, node, x, node.args[2], dim, ctx)
+    set_arg(node, 2, safe)
+    set_arg(node, 3, e.op(aten.masked_fill.Scalar, node.args[3], miss, 0.0))
+
+
+MASKED_EMBEDDING = Lowering("masked_embedding", _masked_embedding)
+MASKED_EMBEDDING_BACKWARD = Lowering("masked_embedding_backward", _masked_embedding_backward)
+MASKED_GATHER = Lowering("masked_gather", _masked_gather)
+MASKED_INDEX_PUT = Lowering("masked_index_put", _masked_index_put)
+MASKED_SCATTER_ADD = Lowering("masked_scatter_add", _masked_scatter_add)
 
 
 @register(aten.embedding.default, uneven=True)
@@ -23,7 +85,7 @@ def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
     if can_split(d, n):
         res.append(Strategy((S(1), R), S(out_nd - 1)))
     if can_split(v, n):
-        res.append(Strategy((S(0), R), Part(), lowering="masked_embedding"))
+        res.append(Strategy((S(0), R), Part(), lowering=MASKED_EMBEDDING))
     cur = call.in_pls[1]
     for i, size in enumerate(idx):
         o = cur.outer if isinstance(cur, S) and cur.dim == i else 1
@@ -51,7 +113,7 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     if can_split(d, n):
         res.append(Strategy((S(len(g) - 1), R), S(1)))
     if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
-        res.append(Strategy((R, R), S(0), lowering="masked_embedding_backward"))
+        res.append(Strategy((R, R), S(0), lowering=MASKED_EMBEDDING_BACKWARD))
     return res
 
 
@@ -65,7 +127,7 @@ def gather_rule(call: OpCall, n: int) -> list[Strategy]:
     for d in range(len(x)):
         if d == dim:
             if can_split(x[d], n):
-                res.append(Strategy((S(d), R), Part(), lowering="masked_gather"))
+                res.append(Strategy((S(d), R), Part(), lowering=MASKED_GATHER))
         elif can_split(index[d], n) and can_split(x[d], n) and str(x[d]) == str(index[d]):
             res.append(Strategy((S(d), S(d)), S(d)))
     return res
@@ -97,7 +159,7 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
         full = n_tensor_idx == 1 and len(values_shape) == len(call.in_shapes[1]) + len(self_shape) - 1 and all(
             equal(a, b) for a, b in zip(values_shape, tuple(call.in_shapes[1]) + tuple(self_shape[1:])))
         if n_idx == 1 and not masks and full and can_split(self_shape[0], n):
-            res.append(Strategy((S(0),) + idx_r + (R,), S(0), lowering="masked_index_put"))
+            res.append(Strategy((S(0),) + idx_r + (R,), S(0), lowering=MASKED_INDEX_PUT))
     return res
 
 
@@ -111,7 +173,7 @@ def scatter_add_rule(call: OpCall, n: int) -> list[Strategy]:
     for d in range(len(x)):
         if d == dim:
             if can_split(x[d], n):
-                res.append(Strategy((S(d), R, R), S(d), lowering="masked_scatter_add"))
+                res.append(Strategy((S(d), R, R), S(d), lowering=MASKED_SCATTER_ADD))
         elif can_split(x[d], n) and str(x[d]) == str(index[d]) == str(src[d]):
             res.append(Strategy((S(d), S(d), S(d)), S(d)))
     return res

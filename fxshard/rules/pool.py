@@ -42,6 +42,9 @@ SPATIAL: dict[Any, tuple[int, bool]] = {
     aten.upsample_bilinear2d_backward.default: (2, True),
     aten._upsample_bilinear2d_aa.default: (2, True),
     aten._upsample_bilinear2d_aa_backward.default: (2, True),
+    # the overloads torch.export keeps for F.interpolate(scale_factor=...) (inference programs)
+    aten.upsample_nearest2d.vec: (2, True),
+    aten.upsample_bilinear2d.vec: (2, True),
 }
 
 

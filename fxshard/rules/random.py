@@ -53,16 +53,73 @@ Semantics (the contract users rely on):
 
 from __future__ import annotations
 
-import torch
+import operator
 
+import torch
+import torch.fx as fx
+
+from ..collectives import Emitter, redistribute_nodes
+from ..context import ShardContext, runtime_device
+from ..ir import INSERTED_KEY, META_KEY, STRATEGY_KEY
+from ..lowering import Lowering
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register
+from ..registry import OpCall, Strategy, register, tensor_inputs
+from ..spec import Spec, local_shape, shard_factor
+from ..symbolic import is_concrete
 
 aten = torch.ops.aten
 
 __all__ = ["GLOBAL_RNG", "SHAPE_ONLY", "DROPOUT"]
 
-GLOBAL_RNG = "global_rng"
+
+def _global_draw(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """Replace a random op whose output is split by a draw of its GLOBAL shape cut to this rank's chunk.
+
+    Every rank draws the same numbers and advances the generator as the unsharded program does
+    (module doc). ``native_dropout`` becomes ``x * mask * scale`` with the mask drawn as eager dropout
+    draws it (``bernoulli_(1 - p)`` in ``x``'s dtype) and kept as a local bool.
+    """
+    x = tensor_inputs(node)[0]
+    spec: Spec = x.meta[META_KEY]
+    dropout = node.target is aten.native_dropout.default
+    out_specs = node.meta[META_KEY] if dropout else (node.meta[META_KEY],)
+    e = Emitter(g, node, {})
+    lshape = local_shape(spec.shape, spec.placements, ctx.mesh.sizes, ctx.mesh.coords)
+    gshape = []
+    for d, (s, ls) in enumerate(zip(spec.shape, lshape)):
+        f = shard_factor(spec.placements, ctx.mesh.sizes, d)
+        gshape.append(int(s) if is_concrete(s) else e.arith(operator.mul, e.size(x, d, ls), f) if f > 1
+                      else e.size(x, d, ls))
+    blank = e.op(aten.empty.memory_format, gshape, dtype=spec.dtype, device=runtime_device(ctx))
+    if dropout:
+        p = float(node.args[1])
+        draw = e.op(aten.bernoulli.p, blank, 1.0 - p)
+    else:
+        draw = e.op(node.target, blank, *node.args[1:], **node.kwargs)
+    dst = [R if isinstance(pl, Part) else pl for pl in out_specs[-1].placements]
+    glob = Spec((R,) * len(dst), spec.shape, spec.dtype if dropout else out_specs[0].dtype)
+    chunk = redistribute_nodes(e, draw, glob, dst, ctx.mesh)
+    if dropout:  # a copy, so the global draw dies here and the backward saves only the local bool mask
+        mask = e.op(aten._to_copy.default, chunk, dtype=torch.bool)
+        out = e.op(aten.mul.Tensor, e.op(aten.mul.Tensor, x, mask), 1.0 / (1.0 - p) if p < 1 else 0.0)
+        results = [out, mask]
+    else:
+        results = [e.contiguous(chunk)]
+    for i, r in enumerate(results):  # the results stand for the op in explain(): not "inserted"
+        r.meta.pop(INSERTED_KEY, None)
+        r.meta.update({k: node.meta[k] for k in ("stack_trace", STRATEGY_KEY) if k in node.meta})
+        r.meta["val"] = node.meta["val"][i] if dropout else node.meta["val"]
+        r.meta[META_KEY] = out_specs[i]
+    if dropout:
+        for user in list(node.users):  # getitem(native_dropout, i)
+            user.replace_all_uses_with(results[user.args[1]])
+            g.erase_node(user)
+    else:
+        node.replace_all_uses_with(results[0])
+    g.erase_node(node)
+
+
+GLOBAL_RNG = Lowering("global_rng", _global_draw)
 
 DROPOUT = [aten.native_dropout.default]
 SHAPE_ONLY = [  # random ops whose only tensor input gives the shape (and default dtype) of the draw

@@ -19,11 +19,39 @@ from typing import Any, Optional
 
 import torch
 
+import torch.fx as fx
+
+from ..context import ShardContext
+from ..ir import META_KEY
+from ..lowering import Lowering, follow_with
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dims, register
-from ..spec import can_split
+from ..registry import OpCall, Strategy, norm_dims, register, tensor_inputs
+from ..spec import can_split, is_uneven
 
 aten = torch.ops.aten
+
+
+def _mean_as_sum(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
+    """A mean over a dim split on ``axes``: local mean * local count / global count = this rank's term
+    of the ``P(sum)`` result."""
+    spec = tensor_inputs(node)[0].meta[META_KEY]
+    m = ctx.mesh
+    f, ratio = 1, 1.0
+    for a in axes:
+        p = spec.placements[a]
+        if not isinstance(p, S):
+            continue
+        if is_uneven(spec.shape[p.dim], m.sizes[a]):
+            ratio *= int(spec.local_shape(m.sizes, m.coords)[p.dim]) / int(spec.shape[p.dim])
+        else:
+            f *= m.sizes[a]
+    if ratio == 1.0:
+        follow_with(g, node, aten.div.Scalar, f)
+    else:
+        follow_with(g, node, aten.mul.Scalar, ratio / f)
+
+
+MEAN_AS_SUM = Lowering("mean_as_sum", _mean_as_sum)
 
 ALL = None  # the reduction covers every dim
 
@@ -42,7 +70,7 @@ class Reduce:
     keepdim: tuple[Optional[int], str] = (2, "keepdim")
     scan: bool = False
     outs: int = 1
-    lowering: Optional[str] = None
+    lowering: Optional[Lowering] = None
 
 
 ANY = ("sum", "max", "min")
@@ -57,8 +85,8 @@ def scan(dim: tuple = (1, "dim", None), keep: tuple[str, ...] = (), outs: int = 
 REDUCTIONS: dict[Any, Reduce] = {
     aten.sum.dim_IntList: SUM,
     aten.sum.default: Reduce("sum", ("sum",), dim=ALL),
-    aten.mean.dim: Reduce("sum", ("sum",), lowering="mean_as_sum"),
-    aten.mean.default: Reduce("sum", ("sum",), dim=ALL, lowering="mean_as_sum"),
+    aten.mean.dim: Reduce("sum", ("sum",), lowering=MEAN_AS_SUM),
+    aten.mean.default: Reduce("sum", ("sum",), dim=ALL, lowering=MEAN_AS_SUM),
     aten.amax.default: Reduce("max", ("max",)),
     aten.amin.default: Reduce("min", ("min",)),
     aten.max.default: Reduce("max", ("max",), dim=ALL),

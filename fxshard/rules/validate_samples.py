@@ -102,6 +102,10 @@ def _batch_norm(*training: bool) -> Make:
 
 
 SAMPLES: dict[Any, list[Make]] = {
+    aten.upsample_nearest2d.vec: [lambda: ((rnd(3, 5, 4, 6, seed=3), None, [2.0, 1.5]), {}),
+                                  lambda: ((rnd(5, 3, 3, 4, seed=4), [6, 5], None), {})],
+    aten.upsample_bilinear2d.vec: [lambda: ((rnd(3, 5, 4, 6, seed=3), None, False, [2.0, 1.5]), {}),
+                                   lambda: ((rnd(5, 3, 3, 4, seed=4), [6, 5], True, None), {})],
     aten._conj.default: [lambda: ((_complex(),), {})],
     aten._conj_physical.default: [lambda: ((_complex(),), {})],
     aten._native_batch_norm_legit_no_training.default: [_batch_norm()],

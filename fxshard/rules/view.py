@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..errors import ShardingError
+from ..ir import source_line
 from ..placements import Part, Pl, R, S
 from ..registry import OpCall, Strategy, norm_dim, norm_dims, register
 from ..spec import can_split
@@ -113,8 +114,6 @@ def reject_group_cut(call: OpCall, n: int) -> None:
             continue
         if divides(factors[0], p.outer * n):
             return
-        from ..passes.trace import source_line
-
         where = source_line(call.node) or call.node.name
         raise ShardingError(
             f"{where}: this view reshapes dim {p.dim} (size {in_shape[p.dim]}, split over a mesh axis of {n} "

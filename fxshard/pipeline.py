@@ -1,0 +1,139 @@
+"""The pass pipeline: the one definition of the stages every entry point runs.
+
+A traced, annotated global program (``meta["val"]`` on every node, a ShardContext holding seed
+placements, required output placements and constraints; see ``passes/trace.py``,
+``passes/annotate.py`` and ``frontend.py``) goes through the graph passes in order:
+
+=============  ====================  ===================  ==========================================
+pass           requires              ensures              file
+=============  ====================  ===================  ==========================================
+propagate      traced                specs                ``passes/propagate.py``
+redistribute   specs                 arrive               ``passes/redistribute.py``
+localize       arrive                local                ``passes/localize.py``
+emit           local                 clean                ``passes/emit.py``
+overlap        clean                 scheduled            ``passes/overlap.py`` (optional)
+=============  ====================  ===================  ==========================================
+
+(facts: ``passes/verify.py``). ``DEFAULT`` is what ``fxshard.shard``, ``fxshard.jit``, the CLI and
+the compile backend run (the backend adds ``overlap`` with ``overlap=True``). A pass marked
+``per_program`` runs on each finished per-rank program (for training, after the joint graph is
+split into forward and backward), the others on the whole graph. With ``FXSHARD_VERIFY=1`` the
+facts in force are checked after every pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch.fx as fx
+
+from .context import ShardContext
+from .errors import ShardingError
+from .passes.emit import emit
+from .passes.localize import localize
+from .passes.overlap import overlap_pass
+from .passes.propagate import propagate
+from .passes.redistribute import redistribute
+from .passes.verify import FACTS, enabled, verify
+
+__all__ = ["Pass", "Pipeline", "DEFAULT", "PROPAGATE", "REDISTRIBUTE", "LOCALIZE", "EMIT", "OVERLAP"]
+
+PassFn = Callable[[fx.GraphModule, ShardContext], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One stage: ``fn(gm, ctx) -> gm`` and the facts it requires, ensures and ends (``FACTS`` names)."""
+
+    name: str
+    fn: PassFn
+    requires: frozenset = frozenset()
+    ensures: frozenset = frozenset()
+    ends: frozenset = frozenset()
+    per_program: bool = False
+
+
+# the facts a program has when it enters the pipeline (the front end ensures them)
+INITIAL = frozenset({"traced", "global"})
+
+PROPAGATE = Pass("propagate", propagate, frozenset({"traced"}), frozenset({"specs"}))
+REDISTRIBUTE = Pass("redistribute", redistribute, frozenset({"specs"}), frozenset({"arrive"}), frozenset({"global"}))
+LOCALIZE = Pass("localize", localize, frozenset({"arrive"}), frozenset({"local"}))
+EMIT = Pass("emit", emit, frozenset({"local"}), frozenset({"clean"}))
+OVERLAP = Pass("overlap", overlap_pass, frozenset({"clean"}), frozenset({"scheduled"}), per_program=True)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """An ordered tuple of passes whose requirements are met by what the passes before them ensure.
+
+    Construction raises a ShardingError otherwise. ``run`` runs the whole-graph passes, ``finish``
+    the per-program ones (after ``run``, on each per-rank program made from its result).
+    """
+
+    passes: tuple[Pass, ...]
+
+    def __post_init__(self) -> None:
+        facts = set(INITIAL)
+        for p in self.passes:
+            unknown = (p.requires | p.ensures | p.ends) - set(FACTS)
+            if unknown:
+                raise ShardingError(f"pass {p.name!r} names unknown facts {sorted(unknown)}; known: {sorted(FACTS)}")
+            missing = p.requires - facts
+            if missing:
+                raise ShardingError(f"pass {p.name!r} requires {sorted(missing)}, which no earlier pass ensures; "
+                                    f"the order is {[q.name for q in self.passes]}")
+            facts = (facts | p.ensures) - p.ends
+        names = [p.name for p in self.passes]
+        if len(set(names)) != len(names):
+            raise ShardingError(f"a pipeline runs each pass once; got {names}")
+        if any(a.per_program and not b.per_program for a, b in zip(self.passes, self.passes[1:])):
+            raise ShardingError(f"per-program passes run after the whole-graph ones; got {names}")
+
+    def facts_after(self, name: str) -> set[str]:
+        """The facts in force after the pass called ``name`` has run."""
+        return self._facts_after(self.names.index(name))
+
+    def _facts_after(self, i: int) -> set[str]:
+        facts = set(INITIAL)
+        for p in self.passes[: i + 1]:
+            facts = (facts | p.ensures) - p.ends
+        return facts
+
+    def _run(self, gm: fx.GraphModule, ctx: ShardContext, per_program: bool) -> fx.GraphModule:
+        check = enabled()
+        if check and not per_program:
+            verify(gm, ctx, INITIAL, "the front end (trace, annotate)")
+        for i, p in enumerate(self.passes):
+            if p.per_program != per_program:
+                continue
+            gm = p.fn(gm, ctx)
+            if check:
+                verify(gm, ctx, self._facts_after(i), p.name)
+        return gm
+
+    def run(self, gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+        """Run the whole-graph passes on ``gm`` (in place; returns it)."""
+        return self._run(gm, ctx, per_program=False)
+
+    def finish(self, gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+        """Run the per-program passes on one finished per-rank program ``gm``."""
+        return self._run(gm, ctx, per_program=True)
+
+    def __call__(self, gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+        """``run`` then ``finish``: for a program that is not split after sharding (inference, jit)."""
+        return self.finish(self.run(gm, ctx), ctx)
+
+    def with_pass(self, extra: Pass) -> "Pipeline":
+        """This pipeline with ``extra`` appended (unchanged when it already runs a pass of that name)."""
+        if any(p.name == extra.name for p in self.passes):
+            return self
+        return Pipeline(self.passes + (extra,))
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+
+DEFAULT = Pipeline((PROPAGATE, REDISTRIBUTE, LOCALIZE, EMIT))
