@@ -15,6 +15,7 @@ from .mesh import init_mesh
 from .optim_state import load_optim_state_dict, optim_state_dict
 from .module import ShardedModule
 from .placements import P, Packed
+from .tiled_init import tiled_init
 from .styles import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
     SequenceParallel,
@@ -25,5 +26,5 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
     "optim_state_dict", "load_optim_state_dict",
-    "backend", "backend_options", "from_hf",
+    "backend", "backend_options", "from_hf", "tiled_init",
 ]

@@ -23,6 +23,7 @@ from .checkpoint import (
 )
 from .placements import Pl
 from .replicas import check_replicas, communicates, from_source, holds_sentinel
+from .tiled_init import draw_seed, fill as fill_tiles
 
 __all__ = ["ShardedModule", "Program", "Programs", "Training"]
 
@@ -374,33 +375,50 @@ class ShardedModule(nn.Module):
         """Every parameter and buffer (non-persistent ones too), once per tensor."""
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
 
-    def init_parameters(self, init: Any) -> None:
-        """Fill every parameter and buffer (non-persistent buffers too) from ``init(fqn, full_tensor)``,
-        which writes the full (global-shape, CPU) tensor in place; this rank keeps its slice.
+    def init_parameters(self, init: Callable[[str, torch.Tensor], Any], *, exact: bool = False,
+                        seed: Optional[int] = None) -> None:
+        """Fill every parameter and buffer (non-persistent buffers too) by ``init(fqn, t)``, which writes ``t``
+        (global shape) in place, e.g. ``nn.init.normal_(t, std=0.02)``.
 
-        One tensor is materialized at a time, so peak memory is bounded by the largest single
-        parameter. Like ``shard()``, values come from rank ``src_data_rank`` (default 0): each full
-        tensor is broadcast from it, so even an unseeded ``init`` gives every rank consistent values
-        (with ``src_data_rank=None`` each rank keeps its own, and replicated values that differ raise a
-        ShardingError). With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))``
-        then ``nn.init.normal_``), the result also equals the unsharded model's init.
+        Default (tiled): no full tensor is built. ``init`` runs on each fixed tile of the global tensor that
+        this rank holds (``t`` reports the global shape, so fan-in based inits are right; random ops draw from
+        a generator per ``(seed, fqn, tile)``; see ``fxshard.tiled_init``), so peak memory is the shard plus one
+        tile and the values do not depend on the mesh: ``fxshard.tiled_init(model, init, seed=seed)`` gives the
+        same values in the unsharded model. ``seed`` defaults to a draw from torch's generator on rank
+        ``src_data_rank``. Only elementwise/random ops on ``t`` are supported; others raise a ShardingError.
+        Tensors ``init`` does not write keep their values (a meta-built one stays unfilled).
+
+        ``exact=True``: ``init`` writes the full (CPU) tensor, one tensor at a time, and this rank keeps its
+        slice: any ``init`` works and a per-tensor seeded one reproduces the unsharded init bit for bit. Values
+        come from rank ``src_data_rank`` (default 0), whose full tensor is broadcast (with
+        ``src_data_rank=None`` each rank keeps its own, and replicated values that differ raise a ShardingError).
         """
         src = self._src_data_rank if communicates(self._mesh) else None
         own = self._named_tensors()
+        filled = []
         with torch.no_grad():
+            if not exact:
+                seed = draw_seed(seed)
+                if src is not None:
+                    seed = int(from_source(torch.tensor([seed]), src, self._mesh, torch.device("cpu"))[0])
             for name, local in own.items():
                 shape = tuple(int(s) for s in self._global_shapes[name])
+                if not exact:
+                    if fill_tiles(storage(local), name, shape, init, self._pieces(name, local), seed):
+                        filled.append(name)
+                    continue
                 full = torch.empty(shape, dtype=local.dtype, device="cpu")
                 init(name, full)
                 if src is not None:
                     full = from_source(full, src, self._mesh, local.device, writable=True)
                 self._write(name, local, lambda src_box: full[src_box])
+                filled.append(name)
                 del full
-        self._mark_filled(own)
+        self._mark_filled(filled)
         if self._src_data_rank is None:
             check_replicas(own, self._placements, self._mesh,
-                           "init_parameters(fn) with src_data_rank=None keeps each rank's values: seed fn per "
-                           "tensor, or shard with src_data_rank=0 to take rank 0's values")
+                           "init_parameters(fn) with src_data_rank=None keeps each rank's values: pass a seed, or "
+                           "seed fn per tensor with exact=True, or shard with src_data_rank=0 to take rank 0's values")
 
     def _write(self, fqn: str, local: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> None:
         """Fill what ``local`` holds of ``fqn`` from ``read(box of the global tensor)``."""
