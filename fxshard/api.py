@@ -29,6 +29,7 @@ from .passes.annotate import annotate
 from .passes.joint import partition, trace_joint
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
+from .progress import Progress, reporter
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
 from .spec import local_shape
@@ -40,7 +41,7 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          progress: Optional[Callable[[str], None]] = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
+          progress: Progress = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
@@ -52,8 +53,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     Ensures: the module's parameters are local shards under the original
     FQNs, and its forward on each rank's local inputs returns the local part
     of what ``model`` returns on the global inputs. Plan errors raise
-    ShardingError before tracing. ``progress``, if given, is called with a short
-    message as each stage starts (tracing a large model takes a while).
+    ShardingError before tracing. ``progress`` reports each stage as it starts (tracing a
+    large model takes a while): by default on stderr when it is a terminal (rank 0 only), a
+    callable gets the messages, ``False`` silences it (``fxshard.progress.reporter``).
     ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
 
@@ -71,7 +73,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     call in a new combination of modes traces and shards again for it (on every rank: all ranks
     must switch together), and the programs are cached per combination.
     """
-    say = progress or (lambda msg: None)
+    say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = MeshInfo.of(mesh)
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
@@ -88,7 +90,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                        modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
                        reshard=None if getattr(model, "fxshard_fixed_modes", False)
-                       else _resharder(model, info, req, placements, progress))
+                       else _resharder(model, info, req, placements, say))
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
