@@ -292,6 +292,23 @@ def quiet_unless_ok() -> Iterator[None]:
         logging.getLogger(record.name).handle(record)
 
 
+def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Example inputs where no tensor object appears twice: export traces one tensor passed twice as one
+    input (the program then reads the last of those arguments in place of both), while the sharded
+    module takes them as separate arguments."""
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        seen.add(id(x))
+        return x
+
+    return pytree.tree_map(once, args), pytree.tree_map(once, kwargs)
+
+
 def _on_device(args: Any, kwargs: Any, device: torch.device) -> tuple[Any, Any]:
     """Example inputs on ``device``: real tensors are moved (meta ones to a meta model), meta tensors for a
     real model become fake tensors on the model's device (export traces them; nothing is allocated)."""
@@ -361,6 +378,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     if not isinstance(model, torch.nn.Module):
         raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
     tensors = list(model.parameters()) + list(model.buffers())
+    args, kwargs = _distinct(args, kwargs)
     args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
     try:
         with quiet_unless_ok():
