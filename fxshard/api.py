@@ -24,6 +24,7 @@ from .errors import ShardingError
 from .module import Program, Programs, ShardedModule, Training
 from .replicas import check_replicas, communicates, from_source, sentinel
 from .passes.annotate import Leaf, annotate, spec_leaves
+from .passes.bucket import DEFAULT_BUCKET_MB, bucket_gradients
 from .passes.emit import emit
 from .passes.joint import partition, trace_joint
 from .passes.localize import localize, runtime_device
@@ -80,6 +81,7 @@ def _output_text(i: int, leaf: Any) -> str:
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB,
           progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -94,6 +96,11 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     of what ``model`` returns on the global inputs. Plan errors raise
     ShardingError before tracing. ``progress``, if given, is called with a short
     message as each stage starts (tracing a large model takes a while).
+
+    Gradient communication: as in DDP, the backward's gradient all-reduces (reduce-scatters under
+    FSDP-style specs) are packed into buckets of at most ``bucket_mb`` MiB (default 25, DDP's
+    ``bucket_cap_mb``), each issued as soon as its last gradient is computed, so it overlaps the
+    rest of the backward; ``bucket_mb=None`` issues one collective per gradient at the end.
 
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
@@ -117,8 +124,12 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "
                             f"{dict(zip(info.names, info.sizes))}; pass an int below {min(info.sizes)} (default 0), "
                             f"or None to keep each rank's own values")
+    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+                                  or not bucket_mb >= 0):
+        raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
+                            f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes)
+    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, bucket_mb)
     progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
@@ -145,6 +156,7 @@ class _Request:
     in_specs: Any
     out_specs: Any
     dynamic_shapes: Any
+    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
@@ -187,7 +199,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     ]
     training = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say)
+        training = _shard_training(traced, ctx, wants_grad, say, req.bucket_mb)
     say("sharding the inference program")
     gm = run_passes(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
@@ -219,7 +231,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.bucket_mb)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -249,7 +261,7 @@ def _mode_text(modes: dict[str, bool]) -> str:
 
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
-                    say: Callable[[str], None]) -> Training:
+                    say: Callable[[str], None], bucket_mb: Optional[float] = DEFAULT_BUCKET_MB) -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
@@ -266,6 +278,8 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = run_passes(joint.gm, jctx)
     split = partition(joint, gm)
+    if bucket_mb is not None:
+        bucket_gradients(split.bwd, int(bucket_mb * 2**20))
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(split.fwd, "forward", fb), Program(split.bwd, "backward", fb), joint.n_out,
