@@ -106,12 +106,36 @@ def decomposition_table() -> Any:
     table = torch.export.default_decompositions()
     for op in FUSED_FORWARD:
         table.pop(op, None)
-    table[aten._softmax.default] = _decomps._softmax
-    table[aten._log_softmax.default] = _decomps._log_softmax
+    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(lambda t: _STOP(t))
     table[aten.index_fill.int_Tensor] = _index_fill
     table[aten.index_fill.int_Scalar] = _index_fill
     table[aten.copy.default] = _copy
     return table
+
+
+def _softmaxes(stop: Any) -> tuple[Any, Any]:
+    """``_softmax`` and ``_log_softmax`` decomposed as torch does, except that the row max they subtract
+    goes through ``stop`` (a stop-gradient). Softmax is shift invariant, so no gradient flows through
+    that max (eager's fused backward has none); differentiating it cost six extra passes over the
+    logits in every backward, and collectives when the class dim is split."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    def shifted(x: torch.Tensor, dim: int, half_to_float: bool) -> tuple[torch.Tensor, torch.dtype]:
+        x = x.contiguous()
+        compute, result = elementwise_dtypes(x, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        x = x.to(compute)
+        return x - stop(_decomps._softmax_unbacked_safe_amax(x, dim)), compute if half_to_float else result
+
+    def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        sh, dtype = shifted(x, dim, half_to_float)
+        e = torch.exp(sh)
+        return (e / torch.sum(e, dim, keepdim=True)).to(dtype)
+
+    def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        sh, dtype = shifted(x, dim, half_to_float)
+        return (sh - torch.log(torch.sum(torch.exp(sh), dim, keepdim=True))).to(dtype)
+
+    return softmax, log_softmax
 
 
 def _index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
@@ -150,6 +174,7 @@ def joint_decomposition_table() -> dict:
 
     table = dict(core_aten_decompositions())
     table.update(decomposition_table().items())
+    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(torch.Tensor.detach)
     for op in FUSED_FORWARD + FUSED_BACKWARD:
         table.pop(op, None)
     return table
