@@ -59,9 +59,14 @@ class Emitter:
     def contiguous(self, x: fx.Node) -> fx.Node:
         return self.op(aten.clone.default, x, memory_format=torch.contiguous_format)
 
-    def comm(self, target: Any, kind: str, axis: str, x: fx.Node, nbytes: int, *args: Any) -> fx.Node:
+    def comm(self, target: Any, kind: str, axis: str, x: fx.Node, nbytes: int, *args: Any,
+             shape: Any = None) -> fx.Node:
+        """The collective ``target(x, *args)`` and its wait; ``shape`` (``x``'s local shape), when given,
+        is recorded for passes that repack collectives (``passes/bucket.py``)."""
         c = self.op(target, x, *args)
         c.meta[COMM_KEY] = dict(self.reason, kind=kind, axis=axis, bytes=nbytes)
+        if shape is not None:
+            c.meta[COMM_KEY]["shape"] = tuple(shape)
         w = self.op(c10d.wait_tensor.default, c)
         return w
 
@@ -137,8 +142,9 @@ def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous:
     if uneven:  # pad to n equal pieces; this rank keeps its torch.chunk piece of the reduced result
         piece = ceil_div(int(size), n)
         xf = _pad_front(e, xf, len(lshape), piece * n - int(size))
+    front = [lshape[perm[0]] if not uneven else ceil_div(int(size), n) * n] + [lshape[i] for i in perm[1:]]
     r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, st.nbytes, "sum", n,
-               mesh.group_names[a])
+               mesh.group_names[a], shape=front)
     if uneven:
         r = e.op(aten.slice.Tensor, r, 0, 0, chunk(int(size), n, mesh.coords[a])[1])
     return e.contiguous(e.op(aten.permute.default, r, _inverse(perm))) if p.dim != 0 else r
@@ -147,7 +153,7 @@ def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous:
 def all_reduce(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
     src = x if contiguous else e.contiguous(x)
     return e.comm(c10d.all_reduce.default, "all_reduce", mesh.names[st.axis], src, st.nbytes, st.src.op,
-                  mesh.group_names[st.axis])
+                  mesh.group_names[st.axis], shape=st.lshape)
 
 
 def local_slice(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:

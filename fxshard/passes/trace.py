@@ -108,14 +108,38 @@ def decomposition_table() -> Any:
     table = torch.export.default_decompositions()
     for op in FUSED_FORWARD:
         table.pop(op, None)
-    table[aten._softmax.default] = _decomps._softmax
-    table[aten._log_softmax.default] = _decomps._log_softmax
+    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(lambda t: _STOP(t))
     table[aten.index_fill.int_Tensor] = _index_fill
     table[aten.index_fill.int_Scalar] = _index_fill
     table[aten.copy.default] = _copy
     table[aten._safe_softmax.default] = _safe_softmax
     table[aten.special_log_ndtr.default] = _log_ndtr
     return table
+
+
+def _softmaxes(stop: Any) -> tuple[Any, Any]:
+    """``_softmax`` and ``_log_softmax`` decomposed as torch does, except that the row max they subtract
+    goes through ``stop`` (a stop-gradient). Softmax is shift invariant, so no gradient flows through
+    that max (eager's fused backward has none); differentiating it cost six extra passes over the
+    logits in every backward, and collectives when the class dim is split."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    def shifted(x: torch.Tensor, dim: int, half_to_float: bool) -> tuple[torch.Tensor, torch.dtype]:
+        x = x.contiguous()
+        compute, result = elementwise_dtypes(x, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        x = x.to(compute)
+        return x - stop(_decomps._softmax_unbacked_safe_amax(x, dim)), compute if half_to_float else result
+
+    def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        sh, dtype = shifted(x, dim, half_to_float)
+        e = torch.exp(sh)
+        return (e / torch.sum(e, dim, keepdim=True)).to(dtype)
+
+    def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        sh, dtype = shifted(x, dim, half_to_float)
+        return (sh - torch.log(torch.sum(torch.exp(sh), dim, keepdim=True))).to(dtype)
+
+    return softmax, log_softmax
 
 
 def _index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
@@ -176,6 +200,7 @@ def joint_decomposition_table() -> dict:
 
     table = dict(core_aten_decompositions())
     table.update(decomposition_table().items())
+    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(torch.Tensor.detach)
     for op in FUSED_FORWARD + FUSED_BACKWARD:
         table.pop(op, None)
     return table
@@ -302,6 +327,23 @@ def quiet_unless_ok() -> Iterator[None]:
         logging.getLogger(record.name).handle(record)
 
 
+def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Example inputs where no tensor object appears twice: export traces one tensor passed twice as one
+    input (the program then reads the last of those arguments in place of both), while the sharded
+    module takes them as separate arguments."""
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        seen.add(id(x))
+        return x
+
+    return pytree.tree_map(once, args), pytree.tree_map(once, kwargs)
+
+
 def _on_device(args: Any, kwargs: Any, device: torch.device) -> tuple[Any, Any]:
     """Example inputs on ``device``: real tensors are moved (meta ones to a meta model), meta tensors for a
     real model become fake tensors on the model's device (export traces them; nothing is allocated)."""
@@ -371,6 +413,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     if not isinstance(model, torch.nn.Module):
         raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
     tensors = list(model.parameters()) + list(model.buffers())
+    args, kwargs = _distinct(args, kwargs)
     args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
     try:
         with quiet_unless_ok():
