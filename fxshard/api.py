@@ -29,6 +29,7 @@ from .passes.joint import partition, trace_joint
 from .passes.localize import localize, runtime_device
 from .passes.propagate import propagate
 from .passes.redistribute import redistribute
+from .passes.solve import PLANNERS, solve
 from .passes.trace import Traced, trace_forward
 from .placements import Pl, R
 from .registry import output_leaves
@@ -38,7 +39,8 @@ from .symbolic import sym_shape
 
 __all__ = ["shard", "PASSES", "run_passes"]
 
-PASSES: list[Callable[[fx.GraphModule, ShardContext], fx.GraphModule]] = [propagate, redistribute, localize, emit]
+PASSES: list[Callable[[fx.GraphModule, ShardContext], fx.GraphModule]] = [propagate, solve, redistribute, localize,
+                                                                         emit]
 
 
 def run_passes(gm: fx.GraphModule, ctx: ShardContext, verify: Optional[Callable] = None) -> fx.GraphModule:
@@ -80,7 +82,7 @@ def _output_text(i: int, leaf: Any) -> str:
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          progress: Optional[Callable[[str], None]] = None) -> ShardedModule:
+          progress: Optional[Callable[[str], None]] = None, planner: str = "greedy") -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
@@ -93,7 +95,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     FQNs, and its forward on each rank's local inputs returns the local part
     of what ``model`` returns on the global inputs. Plan errors raise
     ShardingError before tracing. ``progress``, if given, is called with a short
-    message as each stage starts (tracing a large model takes a while).
+    message as each stage starts (tracing a large model takes a while). ``planner="global"`` chooses
+    every op's strategy by one MILP over the whole graph (needs scipy) instead of the greedy sweep.
 
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
@@ -117,8 +120,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "
                             f"{dict(zip(info.names, info.sizes))}; pass an int below {min(info.sizes)} (default 0), "
                             f"or None to keep each rank's own values")
+    if planner not in PLANNERS:
+        raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes)
+    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, planner)
     progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
@@ -145,6 +150,7 @@ class _Request:
     in_specs: Any
     out_specs: Any
     dynamic_shapes: Any
+    planner: str = "greedy"
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
@@ -158,7 +164,8 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
                     ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device]:
     """Trace ``model`` in its current modes and shard every program (a collective: the consistency check)."""
     example_inputs, kwargs = req.example_inputs, req.kwargs
-    check_same_on_all_ranks(fingerprint(req.plan, model, info, example_inputs, req.in_specs, req.out_specs))
+    check_same_on_all_ranks({**fingerprint(req.plan, model, info, example_inputs, req.in_specs, req.out_specs),
+                             "planner": req.planner})
     say("checking the plan")
     param_pls = resolve_plan(req.plan, model, info)
     say("tracing the forward (torch.export)")
@@ -166,6 +173,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
                            resolve_boundaries(req.plan, model, info))
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs,
                    _out_required(traced, req.out_specs, info, param_pls))
+    ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}
@@ -219,7 +227,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.planner)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -255,7 +263,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     joint = trace_joint(traced, traced.gm, wants_grad)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints))
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
     for f, j in zip(fwd_ph, joint_ph):
         if f.name in ctx.seeds:
             jctx.seeds[j.name] = ctx.seeds[f.name]
