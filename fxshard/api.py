@@ -28,6 +28,7 @@ from .frontend import check_consistent, graph_outputs, required_outputs
 from .passes.annotate import annotate
 from .passes.bucket import DEFAULT_BUCKET_MB, bucket_gradients
 from .passes.joint import partition, trace_joint
+from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
 from .progress import Progress, reporter
@@ -42,7 +43,7 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB,
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy",
           progress: Progress = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -60,6 +61,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     callable gets the messages, ``False`` silences it (``fxshard.progress.reporter``).
     ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
+    ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
+    scipy, ``passes/solve.py``) instead of the greedy sweep.
 
     Gradient communication: as in DDP, the backward's gradient all-reduces (reduce-scatters under
     FSDP-style specs) are packed into buckets of at most ``bucket_mb`` MiB (default 25, DDP's
@@ -92,9 +95,11 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                                   or not bucket_mb >= 0):
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
+    if planner not in PLANNERS:
+        raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
-                   bucket_mb)
+                   bucket_mb, planner)
     progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
@@ -123,6 +128,7 @@ class _Request:
     dynamic_shapes: Any
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
+    planner: str = "greedy"
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
@@ -149,6 +155,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
         graph_outputs(traced.gm)[len(traced.mutations):], traced.out_tree, req.out_specs, info)
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                    constraints=recorded)
+    ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}
@@ -201,7 +208,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -238,7 +245,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     joint = trace_joint(traced, traced.gm, wants_grad)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints))
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
     for f, j in zip(fwd_ph, joint_ph):
         if f.name in ctx.seeds:
             jctx.seeds[j.name] = ctx.seeds[f.name]
