@@ -22,7 +22,7 @@ def md(rows, header) -> str:
 
 def step_time(r) -> str:
     cols = ["fxshard", "megatron", "dtensor", "fxshard-compiled", "megatron-compiled"]
-    ratio_cols = ["fxshard/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled",
+    ratio_cols = ["fxshard/megatron", "fxshard-nobucket/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled",
                   "fxshard-compiled/megatron"]
     rows = []
     for name, c in r["cases"].items():

@@ -20,7 +20,8 @@ Cases (every contender of a case runs the same plan on the same weights):
 Contenders: ``fxshard`` (``fxshard.shard``), ``megatron`` (``benchmarks/megatron.py``: weights
 sliced by hand, explicit collectives in autograd pairs; + DDP on the 2x2 mesh), ``dtensor``
 (``Transformer.parallelize(..., local_output_for_attn=True)``: DTensor's own plan, which is the
-``full`` plan; in the ``full``/``outside`` cases), and in the cases marked compiled
+``full`` plan; in the ``full``/``outside`` cases), ``fxshard-nobucket`` on the 2x2 mesh
+(``bucket_mb=None``: one gradient all-reduce per parameter), and in the cases marked compiled
 ``fxshard-compiled`` / ``megatron-compiled`` (``torch.compile`` of the same modules, inductor).
 
 Method: each case builds its contenders from seed 0, runs 2 steps (warm-up and compilation; their
@@ -67,6 +68,8 @@ class Case:
         out = ["fxshard", "megatron"]
         if self.plan == "full" and self.loss == "outside" and self.mesh == "tp2":
             out.append("dtensor")
+        if self.mesh == "dp2xtp2":
+            out.append("fxshard-nobucket")  # bucket_mb=None: one all-reduce per gradient, as before buckets
         if self.compiled:
             out += ["fxshard-compiled", "megatron-compiled"]
         return out
@@ -122,7 +125,8 @@ def make_model(cfg: dict, tied: bool, loss_inside: bool):
 
 
 def build(name: str, case: Case, mesh, cfg: dict, example):
-    """``(step, module)`` for one contender: ``step(x, y) -> loss`` on this rank's batch ``x, y``."""
+    """``(step, module)`` for one contender: ``step(x, y) -> loss`` (a tensor) on this rank's batch ``x, y``:
+    the global-batch mean with fxshard's loss inside, this rank's batch mean otherwise."""
     import torch
     import torch.nn.functional as F
     from torch.testing._internal.distributed._tensor.common_dtensor import Transformer
@@ -133,12 +137,14 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
 
     inside = case.loss == "inside"
     two_d = case.mesh == "dp2xtp2"
-    base = name.replace("-compiled", "")
+    base = name.replace("-compiled", "").replace("-nobucket", "")
     model = make_model(cfg, case.tied, inside)
     if base == "fxshard":
         kw: dict = {}
         if two_d:
             kw = dict(in_specs=(P("dp"), P("dp")) if inside else (P("dp"),), out_specs=None if inside else P("dp"))
+        if name.endswith("-nobucket"):
+            kw["bucket_mb"] = None
         mod = fxshard.shard(model, mesh, plan_for(case.plan), example_inputs=example if inside else example[:1], **kw)
     elif base == "dtensor":
         mod = Transformer.parallelize(model, mesh, use_seq_parallel=False, local_output_for_attn=True)
@@ -154,7 +160,7 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
     # mean-loss gradients: the same thing when the fxshard loss outside is divided by dp
     scale = 1.0 / mesh["dp"].size() if (two_d and base == "fxshard" and not inside) else 1.0
 
-    def step(x, y) -> float:
+    def step(x, y):
         if inside:
             loss = run(x, y)
             shown = loss
@@ -164,7 +170,7 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        return shown.item()
+        return shown.detach()
 
     return step, mod
 
@@ -196,16 +202,24 @@ def _rank_main(rank: int, world: int, cfg: dict, cases: list[dict], rounds: int,
             build_s[n] = time.perf_counter() - t0
         counters = {n: 0 for n in names}
 
-        def step(n: str) -> float:
+        def step(n: str):
             x, y = batches[counters[n] % len(batches)]
             counters[n] += 1
             return built[n](x, y)
+
+        def global_loss(n: str, loss) -> float:
+            """The global-batch mean loss (Megatron + DDP's inside loss is its dp rank's batch mean)."""
+            if two_d and case.loss == "inside" and n.startswith("megatron"):
+                loss = loss.clone()
+                dist.all_reduce(loss, group=mesh["dp"].get_group())
+                loss /= dp
+            return loss.item()
 
         first_s = {}
         parity = {}
         for n in names:
             t0 = time.perf_counter()
-            parity[n] = [step(n) for _ in range(PARITY_STEPS)]
+            parity[n] = [global_loss(n, step(n)) for _ in range(PARITY_STEPS)]
             first_s[n] = time.perf_counter() - t0
 
         def timed(n: str):
@@ -225,7 +239,7 @@ def _rank_main(rank: int, world: int, cfg: dict, cases: list[dict], rounds: int,
     return out
 
 
-RATIOS = [("fxshard", "megatron"), ("fxshard", "dtensor"), ("fxshard-compiled", "megatron-compiled"),
+RATIOS = [("fxshard", "megatron"), ("fxshard-nobucket", "megatron"), ("fxshard", "dtensor"), ("fxshard-compiled", "megatron-compiled"),
           ("fxshard-compiled", "megatron"), ("megatron-compiled", "megatron"), ("dtensor", "megatron")]
 
 
@@ -263,6 +277,7 @@ def main(argv=None) -> dict:
           f"{info['load_avg_at_start'][0]:.1f}")
     out_cases = {}
     rows = []
+    failed: list[str] = []
     for case in cases:
         ranks = res[case.name]
         names = case.contenders
@@ -273,7 +288,7 @@ def main(argv=None) -> dict:
         par = ranks[0]["parity"]
         parity_err = max(abs(u - v) for n in names for u, v in zip(par[n], par["megatron"]))
         if parity_err > PARITY_TOL:
-            raise SystemExit(f"{case.name}: the contenders' losses differ by {parity_err:.2e}: {par}")
+            failed.append(f"{case.name}: the contenders' losses differ by {parity_err:.2e}: {par}")
         out_cases[case.name] = {"case": asdict(case), "contenders": names, "median_s": med, "per_round_s": per_round,
                                 "ratios": ratios, "parity_max_loss_diff": parity_err, "parity_losses": par,
                                 "setup_s": ranks[0]["build_s"], "first_steps_s": ranks[0]["first_steps_s"]}
@@ -286,12 +301,14 @@ def main(argv=None) -> dict:
            "wall_s": wall}
     if not a.no_json:
         print(f"wrote {write_json('step_time.json', out)}")
+    if failed:
+        raise SystemExit("parity failed (times are not comparable):\n" + "\n".join(failed))
     return out
 
 
 _COLS = [("fxshard", "fxshard ms"), ("megatron", "megatron ms"), ("dtensor", "dtensor ms"),
          ("fxshard-compiled", "fx-comp ms"), ("megatron-compiled", "meg-comp ms")]
-_RATIO_COLS = ["fxshard/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled", "fxshard-compiled/megatron"]
+_RATIO_COLS = ["fxshard/megatron", "fxshard-nobucket/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled", "fxshard-compiled/megatron"]
 
 
 if __name__ == "__main__":
