@@ -15,7 +15,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import DOCS, load_result as _load  # noqa: E402
+from benchmarks._common import DOCS, load_result as _load, ratio_median  # noqa: E402
 
 
 def plot_shard_time(res: dict, path: str) -> None:
@@ -83,16 +83,17 @@ def plot_step_time(res: dict, path: str) -> None:
     width = 0.8 / len(names)
     for j, n in enumerate(names):
         xs = [i for i, c in enumerate(cases.values()) if n in c["median_s"]]
-        ys = [c["median_s"][n] / c["median_s"]["megatron"] for c in cases.values() if n in c["median_s"]]
+        ys = [ratio_median(c["per_round_s"][n], c["per_round_s"]["megatron"]) for c in cases.values()
+              if n in c["median_s"]]
         if xs:
             ax.bar([x + (j - len(names) / 2 + 0.5) * width for x in xs], ys, width, label=n, color=colors[n])
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([k.replace("/", "\n", 1) for k in cases], fontsize=7)
-    ax.set_ylabel("median step time / Megatron eager")
+    ax.set_xticklabels([k.replace("/", "\n") for k in cases], fontsize=7)
+    ax.set_ylabel("step time / Megatron eager")
     cfg = res["config"]
     ax.set_title(f"Training step, torch test Transformer ({cfg['n_layers']} layers, dim {cfg['dim']}), gloo; "
-                 f"{res['rounds']} interleaved rounds", fontsize=9)
+                 f"{res['rounds']} interleaved rounds; bars: median of per-round ratios", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
