@@ -503,9 +503,10 @@ def main(argv=None) -> dict:
                          f"{mine['wire'] / ref['wire']:.2f}", f"{mine['seconds'] / ref['seconds']:.2f}",
                          str(len(excess)), str(len(missing)), f"{run['shard_s']:.1f}",
                          f"{solve['seconds']:.1f}" if solve else "-"])
-            milp = f" (MILP {solve['binaries']} binaries, {solve['rounds']} round(s), {solve['seconds']:.1f} s)"
+            milp = f" (MILP {solve['binaries']} binaries, {solve['rounds']} round(s), {solve['seconds']:.1f} s)" \
+                if solve else ""
             print(f"  {model} {cname} {planner} L={L}: {mine['bytes'] / ref['bytes']:.3f}x analytic bytes, "
-                  f"shard {run['shard_s']:.1f} s" + (milp if solve else ""), flush=True)
+                  f"shard {run['shard_s']:.1f} s{milp}", flush=True)
         full = MODELS[model]["full_layers"]
         ref_full = summarize(analytic(model, cfg, full, a.batch, a.seq), sizes, bw, alpha)
         measured = {L: r["fxshard"] for L, r in per_depth.items()}

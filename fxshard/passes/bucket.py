@@ -170,6 +170,8 @@ def bucket_gradients(gm: fx.GraphModule, bucket_bytes: int) -> fx.GraphModule:
 def _emit(g: fx.Graph, ms: list[_Member], output: fx.Node) -> None:
     """Replace the collectives of ``ms`` (in readiness order) by one, issued after the last input."""
     last_in = ms[-1].coll.args[0]
+    if last_in.op == "placeholder":  # a gradient that is an input of the program: issue after all inputs
+        last_in = [n for n in g.nodes if n.op == "placeholder"][-1]
     tails = [t for m in ms for t in m.tail]
     if len(ms) == 1:  # nothing to pack: issue it early, wait at the end
         last_in.append(ms[0].coll)

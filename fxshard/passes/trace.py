@@ -99,16 +99,18 @@ FUSED_BACKWARD = (
 )
 
 
-def decomposition_table() -> Any:
+def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
     """torch.export's core-ATen table minus ``FUSED_FORWARD``, plus softmax decompositions.
 
     Ensures: ``_softmax``/``_log_softmax`` decompose (loss parallel needs a split class dim to become
-    Partial max/sum reductions); the ops in ``FUSED_FORWARD`` stay fused (they have rules).
+    Partial max/sum reductions), their row max through ``stop_gradient`` (``detach`` where the tracer
+    runs autograd itself, as make_fx does; export's graphs mark it with ``fxshard::stop_gradient``);
+    the ops in ``FUSED_FORWARD`` stay fused (they have rules).
     """
     table = torch.export.default_decompositions()
     for op in FUSED_FORWARD:
         table.pop(op, None)
-    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(lambda t: _STOP(t))
+    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(stop_gradient)
     table[aten.index_fill.int_Tensor] = _index_fill
     table[aten.index_fill.int_Scalar] = _index_fill
     table[aten.copy.default] = _copy
@@ -200,7 +202,6 @@ def joint_decomposition_table() -> dict:
 
     table = dict(core_aten_decompositions())
     table.update(decomposition_table().items())
-    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(torch.Tensor.detach)
     for op in FUSED_FORWARD + FUSED_BACKWARD:
         table.pop(op, None)
     return table
@@ -421,7 +422,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
                 ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                          strict=False)
             _mark_stop_gradients(ep.graph_module)
-            ep = ep.run_decompositions(decomposition_table())
+            ep = ep.run_decompositions(decomposition_table(lambda t: _STOP(t)))
     except ShardingError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
