@@ -15,7 +15,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._common import DOCS, load_result as _load  # noqa: E402
+from benchmarks._common import DOCS, load_result as _load, ratio_median  # noqa: E402
 
 
 def plot_shard_time(res: dict, path: str) -> None:
@@ -69,29 +69,32 @@ def plot_shard_time(res: dict, path: str) -> None:
 
 
 def plot_step_time(res: dict, path: str) -> None:
+    """One group of bars per case: each contender's median step time over Megatron eager's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = res.get("contenders") or list(res["median_s"])
-    med = [res["median_s"][n] * 1e3 for n in names]
-    q = []
-    for n in names:
-        v = sorted(res["per_round_s"][n])
-        q.append((v[len(v) // 4] * 1e3, v[(3 * len(v)) // 4] * 1e3))
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    colors = {"fxshard": "#1f77b4", "dtensor": "#ff7f0e", "megatron": "#2ca02c"}
-    ax.bar(names, med, color=[colors.get(n, "gray") for n in names],
-           yerr=[[m - a for m, (a, _) in zip(med, q)], [b - m for m, (_, b) in zip(med, q)]], capsize=4)
-    for i, (n, m) in enumerate(zip(names, med)):
-        ax.text(i, m * 0.5, f"{m:.0f} ms", ha="center", color="white", fontweight="bold")
-    r = res["ratios"]
+    cases = res["cases"]
+    names = ["fxshard", "fxshard-nobucket", "megatron", "dtensor", "fxshard-compiled", "megatron-compiled"]
+    colors = {"fxshard": "#1f77b4", "fxshard-nobucket": "#9edae5", "megatron": "#2ca02c", "dtensor": "#ff7f0e",
+              "fxshard-compiled": "#aec7e8", "megatron-compiled": "#98df8a"}
+    fig, ax = plt.subplots(figsize=(10, 4), dpi=120)
+    width = 0.8 / len(names)
+    for j, n in enumerate(names):
+        xs = [i for i, c in enumerate(cases.values()) if n in c["median_s"]]
+        ys = [ratio_median(c["per_round_s"][n], c["per_round_s"]["megatron"]) for c in cases.values()
+              if n in c["median_s"]]
+        if xs:
+            ax.bar([x + (j - len(names) / 2 + 0.5) * width for x in xs], ys, width, label=n, color=colors[n])
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([k.replace("/", "\n") for k in cases], fontsize=7)
+    ax.set_ylabel("step time / Megatron eager")
     cfg = res["config"]
-    ax.set_ylabel("median step time [ms] (bars: interquartile range)")
-    ax.set_title(f"Training step, torch test Transformer ({cfg['n_layers']} layers, dim {cfg['dim']}), "
-                 f"2 gloo ranks\nfxshard/DTensor {r['fxshard/dtensor']:.2f}x, fxshard/Megatron "
-                 f"{r['fxshard/megatron']:.2f}x ({res['rounds']} interleaved rounds)", fontsize=9)
+    ax.set_title(f"Training step, torch test Transformer ({cfg['n_layers']} layers, dim {cfg['dim']}), gloo; "
+                 f"{res['rounds']} interleaved rounds; bars: median of per-round ratios", fontsize=9)
+    ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)

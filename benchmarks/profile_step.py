@@ -2,12 +2,12 @@
 
     .venv/bin/python benchmarks/profile_step.py [--rounds 16]
 
-Same model, plan and step as ``benchmarks/step_time.py``, but on torch's *fake* process group
+Same model, plan and step as ``benchmarks/step_time.py``'s case ``tp2/layers/untied/loss-outside``, but on torch's *fake* process group
 (one process acting as rank 0 of 2, one thread): collectives are no-ops, so what is measured is
 each contender's local compute and framework overhead without the other rank's noise.
 
 A. Compute-only step time (forward + loss + backward + AdamW), interleaved rounds, medians:
-   ``megatron`` (eager, fused kernels), ``fxshard``, ``dtensor``, and three controls built from
+   ``megatron`` (eager, fused kernels), ``fxshard``, and three controls built from
    the *same* Megatron local program, traced into one joint forward+backward graph with
    ``make_fx`` (collectives stubbed out; AdamW applied to the returned gradients):
    ``megatron-graph``      — no decompositions (fused CPU kernels kept),
@@ -37,6 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import interleaved, machine, median, ratio_median, table, write_json  # noqa: E402
+from benchmarks.step_time import CASE_PROFILED  # noqa: E402
 
 
 def _graph_step(mod, opt, decomp, x, y):
@@ -64,6 +65,18 @@ def _graph_step(mod, opt, decomp, x, y):
         return loss.item()
 
     return gm, step
+
+
+def _megatron(cfg: dict):
+    """The Megatron contender of ``CASE_PROFILED`` (rank 0 of 2) and its AdamW."""
+    import torch
+
+    from benchmarks.megatron import MegatronTransformer
+    from benchmarks.step_time import make_model
+
+    mod = MegatronTransformer(make_model(cfg, CASE_PROFILED.tied, False), 0, 2,
+                              shard_vocab=CASE_PROFILED.plan == "full")
+    return mod, torch.optim.AdamW(mod.parameters(), lr=1e-3)
 
 
 class _OpCounter:
@@ -96,7 +109,7 @@ def main(argv=None) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import benchmarks.megatron as meg
-    from benchmarks.step_time import CONFIG, _build
+    from benchmarks.step_time import CONFIG, build
     from fxshard.passes.trace import decomposition_table, joint_decomposition_table
 
     t_start = time.perf_counter()
@@ -112,31 +125,23 @@ def main(argv=None) -> dict:
 
         steps = {}
         mods = {}
-        for name in ("megatron", "fxshard", "dtensor"):
-            mod, opt = _build(name, mesh, cfg)
-            mods[name] = mod
-
-            def eager_step(mod=mod, opt=opt):
-                loss = F.cross_entropy(mod(x).flatten(0, 1), y.flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss.item()
-
-            steps[name] = eager_step
+        example = (torch.zeros_like(x), torch.zeros_like(y))
+        for name in ("megatron", "fxshard"):
+            step, mods[name] = build(name, CASE_PROFILED, mesh, cfg, example)
+            steps[name] = lambda step=step: step(x, y).item()
 
         # The controls: Megatron's local program as one traced graph. On the fake group the collectives
         # are no-ops; for tracing they are stubbed with ops of the same shapes.
-        real_ar, real_ag = meg.dist.all_reduce, meg.dist.all_gather_single
+        real_ar, real_ag = meg.dist.all_reduce, meg.dist.all_gather_into_tensor
         meg.dist.all_reduce = lambda t, *args, **kw: None
-        meg.dist.all_gather_single = lambda out, t, *args, **kw: out.copy_(torch.cat([t] * 2, 0))
+        meg.dist.all_gather_into_tensor = lambda out, t, *args, **kw: out.copy_(torch.cat([t] * 2, 0))
         core = dict(core_aten_decompositions())
         core.update(decomposition_table())
         graphs = {}
         try:
             for name, table_ in (("megatron-graph", {}), ("megatron-graph-fx", joint_decomposition_table()),
                                  ("megatron-graph-core", core)):
-                mod, opt = _build("megatron", mesh, cfg)
+                mod, opt = _megatron(cfg)
                 graphs[name], steps[name] = _graph_step(mod, opt, table_, x, y)
             aten = torch.ops.aten
             families = {
@@ -150,11 +155,11 @@ def main(argv=None) -> dict:
             }
             loo_steps = {"megatron-graph": steps["megatron-graph"], "megatron-graph-core": steps["megatron-graph-core"]}
             for fam, ops in families.items():
-                mod, opt = _build("megatron", mesh, cfg)
+                mod, opt = _megatron(cfg)
                 _, loo_steps[f"core, keep {fam}"] = _graph_step(mod, opt, {k: v for k, v in core.items() if k not in ops},
                                                                 x, y)
         finally:
-            meg.dist.all_reduce, meg.dist.all_gather_single = real_ar, real_ag
+            meg.dist.all_reduce, meg.dist.all_gather_into_tensor = real_ar, real_ag
 
         for s in steps.values():  # warm up
             for _ in range(2):
@@ -168,7 +173,7 @@ def main(argv=None) -> dict:
                 return (time.perf_counter() - t0) / a.steps
             return run
 
-        order = ["megatron", "megatron-graph", "megatron-graph-fx", "megatron-graph-core", "fxshard", "dtensor"]
+        order = ["megatron", "megatron-graph", "megatron-graph-fx", "megatron-graph-core", "fxshard"]
         times = interleaved({n: timed(steps[n]) for n in order}, a.rounds)
         med = {n: median(v) for n, v in times.items()}
 

@@ -21,18 +21,17 @@ def md(rows, header) -> str:
 
 
 def step_time(r) -> str:
-    names = r.get("contenders") or list(r["median_s"])
+    cols = ["fxshard", "megatron", "dtensor", "fxshard-compiled", "megatron-compiled"]
+    ratio_cols = ["fxshard/megatron", "fxshard-nobucket/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled",
+                  "fxshard-compiled/megatron"]
     rows = []
-    for n in names:
-        v = sorted(r["per_round_s"][n])
-        rows.append([n, f"{r['median_s'][n] * 1e3:.1f}", f"{v[len(v) // 4] * 1e3:.0f}-{v[(3 * len(v)) // 4] * 1e3:.0f}",
-                     f"{r['median_s'][n] / r['median_s']['megatron']:.2f}x"])
-    q = r["ratios"]
-    return (md(rows, ["contender", "median ms/step", "IQR ms", "vs Megatron"]) +
-            f"\n\nRatios (median of per-round ratios): fxshard/DTensor **{q['fxshard/dtensor']:.2f}**, "
-            f"fxshard/Megatron **{q['fxshard/megatron']:.2f}**, DTensor/Megatron {q['dtensor/megatron']:.2f}. "
-            f"{r['rounds']} rounds x {r['steps_per_round']} steps; losses of all three agree within "
-            f"{r['parity_max_loss_diff']:.1e}; run took {r['wall_s']:.0f} s (commit {r['machine'].get('commit', '?')}).")
+    for name, c in r["cases"].items():
+        rows.append([name] + [f"{c['median_s'][n] * 1e3:.0f}" if n in c["median_s"] else "-" for n in cols]
+                    + [f"**{c['ratios'][k]:.2f}**" if k in c["ratios"] else "-" for k in ratio_cols])
+    return (md(rows, ["case"] + [f"{n} ms" for n in cols] + ratio_cols) +
+            f"\n\n{r['rounds']} rounds x {r['steps_per_round']} steps per contender per case, interleaved; ratios are "
+            f"medians of per-round ratios; load average at start {r['machine']['load_avg_at_start'][0]:.1f}; "
+            f"run took {r['wall_s']:.0f} s (commit {r['machine'].get('commit', '?')}).")
 
 
 def profile(r) -> str:

@@ -34,6 +34,15 @@ class ConvBigHead(nn.Module):
         return F.cross_entropy(self.linear(h), target)
 
 
+PLAN = {"linear.weight": P("tp", None), "linear.bias": P("tp")}
+
+
+def planned() -> tuple[nn.Module, dict]:
+    """For ``fxshard plan examples.seed004_big_head:planned --mesh tp=2 --plan examples.seed004_big_head:PLAN``:
+    the model and its example inputs (images and labels, as keyword inputs; global shapes, built on meta)."""
+    return ConvBigHead(), {"x": torch.randn(16, 3, 8, 8), "target": torch.zeros(16, dtype=torch.long)}
+
+
 def main() -> int:
     mesh = fxshard.init_mesh(tp=2)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -42,7 +51,7 @@ def main() -> int:
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 3, 8, 8, generator=g), torch.randint(0, 100_000, (16,), generator=g)
-    sm = fxshard.shard(model, mesh, {"linear.weight": P("tp", None), "linear.bias": P("tp")},
+    sm = fxshard.shard(model, mesh, PLAN,
                        example_inputs=(x, y), in_specs=(P("tp"), P("tp")))
     local = (x.chunk(world)[rank], y.chunk(world)[rank])
     opt, ref_opt = torch.optim.SGD(sm.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)

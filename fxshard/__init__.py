@@ -10,11 +10,13 @@ from .errors import ShardingError
 from .hf import from_hf
 from .inspect import comm_stats, explain
 from .jit import ShardedFunction, jit
+from .loss import loss_parallel
 from .memory import memory
 from .mesh import init_mesh
 from .optim_state import load_optim_state_dict, optim_state_dict
 from .module import ShardedModule
 from .placements import P, Packed
+from .tiled_init import tiled_init
 from .styles import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
     SequenceParallel,
@@ -25,5 +27,5 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
     "optim_state_dict", "load_optim_state_dict",
-    "backend", "backend_options", "from_hf",
+    "backend", "backend_options", "from_hf", "tiled_init", "loss_parallel",
 ]

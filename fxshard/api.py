@@ -26,9 +26,12 @@ from .replicas import check_replicas, communicates, from_source, sentinel
 from .context import runtime_device
 from .frontend import check_consistent, graph_outputs, required_outputs
 from .passes.annotate import annotate
+from .passes.bucket import DEFAULT_BUCKET_MB, bucket_gradients
 from .passes.joint import partition, trace_joint
+from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
+from .progress import Progress, reporter
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
 from .spec import local_shape
@@ -40,7 +43,8 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          progress: Optional[Callable[[str], None]] = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy",
+          progress: Progress = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
@@ -52,10 +56,18 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     Ensures: the module's parameters are local shards under the original
     FQNs, and its forward on each rank's local inputs returns the local part
     of what ``model`` returns on the global inputs. Plan errors raise
-    ShardingError before tracing. ``progress``, if given, is called with a short
-    message as each stage starts (tracing a large model takes a while).
+    ShardingError before tracing. ``progress`` reports each stage as it starts (tracing a
+    large model takes a while): by default on stderr when it is a terminal (rank 0 only), a
+    callable gets the messages, ``False`` silences it (``fxshard.progress.reporter``).
     ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
+    ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
+    scipy, ``passes/solve.py``) instead of the greedy sweep.
+
+    Gradient communication: as in DDP, the backward's gradient all-reduces (reduce-scatters under
+    FSDP-style specs) are packed into buckets of at most ``bucket_mb`` MiB (default 25, DDP's
+    ``bucket_cap_mb``), each issued as soon as its last gradient is computed, so it overlaps the
+    rest of the backward; ``bucket_mb=None`` issues one collective per gradient at the end.
 
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
@@ -71,7 +83,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     call in a new combination of modes traces and shards again for it (on every rank: all ranks
     must switch together), and the programs are cached per combination.
     """
-    say = progress or (lambda msg: None)
+    say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = MeshInfo.of(mesh)
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
@@ -79,8 +91,15 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "
                             f"{dict(zip(info.names, info.sizes))}; pass an int below {min(info.sizes)} (default 0), "
                             f"or None to keep each rank's own values")
+    if bucket_mb is not None and (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+                                  or not bucket_mb >= 0):
+        raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
+                            f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
+    if planner not in PLANNERS:
+        raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline)
+    req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
+                   bucket_mb, planner)
     progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
@@ -88,7 +107,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                        modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
                        reshard=None if getattr(model, "fxshard_fixed_modes", False)
-                       else _resharder(model, info, req, placements, progress))
+                       else _resharder(model, info, req, placements, say))
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
@@ -108,6 +127,8 @@ class _Request:
     out_specs: Any
     dynamic_shapes: Any
     pipeline: Pipeline = DEFAULT
+    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
+    planner: str = "greedy"
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
@@ -134,6 +155,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
         graph_outputs(traced.gm)[len(traced.mutations):], traced.out_tree, req.out_specs, info)
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                    constraints=recorded)
+    ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}
@@ -154,7 +176,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     ]
     training = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline)
+        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb)
     say("sharding the inference program")
     gm = req.pipeline(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
@@ -186,7 +208,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -216,13 +238,14 @@ def _mode_text(modes: dict[str, bool]) -> str:
 
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
-                    say: Callable[[str], None], pipeline: Pipeline) -> Training:
+                    say: Callable[[str], None], pipeline: Pipeline,
+                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB) -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints))
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
     for f, j in zip(fwd_ph, joint_ph):
         if f.name in ctx.seeds:
             jctx.seeds[j.name] = ctx.seeds[f.name]
@@ -233,6 +256,8 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm)
+    if bucket_mb is not None:  # the backward's gradient collectives, before per-program passes reorder it
+        bucket_gradients(split.bwd, int(bucket_mb * 2**20))
     fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx)
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]

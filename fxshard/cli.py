@@ -1,8 +1,9 @@
 """The ``fxshard`` command line: ``fxshard plan`` (plan a model on one process) and ``fxshard demo``.
 
 ``fxshard plan MODEL --mesh tp=8,dp=64 [--plan PLAN] [--batch N --seq N]`` builds
-MODEL (``module:callable``, called under ``torch.device("meta")``; it may return
-a model or ``(model, example_inputs)``) and shards it on the fake process group
+MODEL (``module:callable``, called under ``torch.device("meta")``; it returns a model,
+fed token ids ``(tokens, tokens)`` of ``--batch`` x ``--seq``, or ``(model, example_inputs)``
+with a tuple of positional inputs or a dict of keyword inputs, global shapes) and shards it on the fake process group
 as rank 0 of the whole mesh, then prints the per-rank memory report, the
 collectives per training step and, with ``--explain FILE``, the explain table.
 Errors are one line with the fix; ``--debug`` shows the traceback.
@@ -99,6 +100,16 @@ def plan_command(args: argparse.Namespace) -> int:
     if inputs is None:
         tokens = torch.zeros(args.batch, args.seq, dtype=torch.long)
         inputs = (tokens, tokens)
+        described = f"token ids {args.batch} x {args.seq} (--batch, --seq)"
+    else:
+        if not isinstance(inputs, (tuple, list, dict)):
+            raise CliError(f"MODEL {args.model} returned (model, {type(inputs).__name__}); return (model, "
+                           f"tuple of positional inputs) or (model, dict of keyword inputs)")
+        described = "inputs from MODEL: " + ", ".join(
+            f"{k}={list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
+            for k, v in (inputs.items() if isinstance(inputs, dict) else enumerate(inputs)))
+    kwargs = inputs if isinstance(inputs, dict) else {}
+    inputs = () if isinstance(inputs, dict) else tuple(inputs)
     if not args.train:
         model.requires_grad_(False)
     world = 1
@@ -107,8 +118,12 @@ def plan_command(args: argparse.Namespace) -> int:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
-        in_specs = tuple(fxshard.P("dp") for _ in inputs) if "dp" in axes else None
-        sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, in_specs=in_specs, progress=say)
+        in_specs = None
+        if "dp" in axes:  # every input's dim 0 is the batch, split over dp
+            in_specs = tuple(fxshard.P("dp") for _ in inputs)
+            in_specs = (in_specs, {k: fxshard.P("dp") for k in kwargs}) if kwargs else in_specs
+        sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
+                           progress=say)
         say("computing the memory report")
         mem = fxshard.memory(sm, args.optimizer)
         stats = fxshard.comm_stats(sm)
@@ -118,7 +133,7 @@ def plan_command(args: argparse.Namespace) -> int:
         dist.destroy_process_group()
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {type(model).__name__}, {n_params / 1e9:.3f} B parameters; mesh {axes} ({world} ranks); "
-          f"batch {args.batch} x seq {args.seq}")
+          f"{described}")
     print("\nper-rank memory (rank 0):")
     for k, v in mem.items():
         print(f"  {k:<16} {v:>16,d} bytes  ({_fmt_bytes(v)})")
@@ -150,11 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show tracebacks instead of one-line errors")
     sub = p.add_subparsers(dest="command", required=True)
     pl = sub.add_parser("plan", help="shard a model on one process (fake process group) and report")
-    pl.add_argument("model", help="module:callable returning the model (built on meta)")
+    pl.add_argument("model", help="module:callable returning the model, or (model, inputs) with inputs a tuple "
+                                  "or a dict of keyword inputs (built on meta)")
     pl.add_argument("--mesh", required=True, help="mesh axes, major first, e.g. dp=64,tp=8")
     pl.add_argument("--plan", help="module:attr of a plan dict (or a callable returning one)")
-    pl.add_argument("--batch", type=int, default=8, help="global batch size of the example token ids")
-    pl.add_argument("--seq", type=int, default=128, help="sequence length of the example token ids")
+    pl.add_argument("--batch", type=int, default=8, help="global batch size of the example token ids "
+                                                          "(when MODEL returns no inputs)")
+    pl.add_argument("--seq", type=int, default=128, help="sequence length of the example token ids "
+                                                         "(when MODEL returns no inputs)")
     pl.add_argument("--train", action=argparse.BooleanOptionalAction, default=True,
                     help="plan the training step (forward + backward); --no-train plans inference only")
     pl.add_argument("--optimizer", default="adamw", help="optimizer whose state the memory report counts")

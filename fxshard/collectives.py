@@ -59,9 +59,14 @@ class Emitter:
     def contiguous(self, x: fx.Node) -> fx.Node:
         return self.op(aten.clone.default, x, memory_format=torch.contiguous_format)
 
-    def comm(self, target: Any, kind: str, axis: str, x: fx.Node, nbytes: int, *args: Any) -> fx.Node:
+    def comm(self, target: Any, kind: str, axis: str, x: fx.Node, nbytes: int, *args: Any,
+             shape: Any = None) -> fx.Node:
+        """The collective ``target(x, *args)`` and its wait; ``shape`` (``x``'s local shape), when given,
+        is recorded for passes that repack collectives (``passes/bucket.py``)."""
         c = self.op(target, x, *args)
         c.meta[COMM_KEY] = dict(self.reason, kind=kind, axis=axis, bytes=nbytes)
+        if shape is not None:
+            c.meta[COMM_KEY]["shape"] = tuple(shape)
         w = self.op(c10d.wait_tensor.default, c)
         return w
 
@@ -96,6 +101,16 @@ def all_gather(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: boo
     ndim = len(lshape)
     uneven = is_uneven(gsize, n)
     piece = ceil_div(int(gsize), n) if uneven else lshape[p.dim]
+    if p.dim != 0 and p.outer == 1 and not uneven:
+        # gather the pieces as they are ([n * d0, ...]) and interleave them into dim p.dim with one copy
+        src = x if contiguous else e.contiguous(x)
+        g = e.comm(c10d.all_gather_into_tensor.default, "all_gather", mesh.names[a], src, st.nbytes, n,
+                   mesh.group_names[a])
+        dims = e.shape(src, lshape)
+        g = e.op(aten.view.default, g, [n] + dims)
+        order = list(range(1, p.dim + 1)) + [0] + list(range(p.dim + 1, ndim + 1))
+        g = e.contiguous(e.op(aten.permute.default, g, order))
+        return e.op(aten.view.default, g, [e.arith(operator.mul, d, n) if i == p.dim else d for i, d in enumerate(dims)])
     xf, perm = _to_front(e, x, p.dim, ndim, contiguous)
     if uneven:
         xf = _pad_front(e, xf, ndim, piece - int(lshape[p.dim]))
@@ -131,14 +146,27 @@ def _rs_front(e: Emitter, x: fx.Node, lshape: Sequence[Dim], p: S, n: int, conti
 def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
     p, a, lshape = st.dst, st.axis, st.lshape
     n = mesh.sizes[a]
-    xf, perm = _rs_front(e, x, lshape, p, n, contiguous)
     size = lshape[p.dim]
     uneven = is_uneven(size, n)
+    if p.dim != 0 and p.outer == 1 and not uneven:
+        # rank-major chunks of dim p.dim to the front ([n, ..., size / n, ...], one copy); the result
+        # [1, ..., size / n, ...] is this rank's piece as a view
+        dims = e.shape(x, lshape)
+        chunk_ = e.arith(operator.floordiv, dims[p.dim], n)
+        v = e.op(aten.view.default, x if contiguous else e.contiguous(x), dims[: p.dim] + [n, chunk_] + dims[p.dim + 1:])
+        order = [p.dim] + [i for i in range(len(lshape) + 1) if i != p.dim]
+        front = e.contiguous(e.op(aten.permute.default, v, order))
+        shape = [n] + [lshape[i] if i != p.dim else size // n for i in range(len(lshape))]
+        r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], front, st.nbytes, "sum", n,
+                   mesh.group_names[a], shape=shape)
+        return e.op(aten.view.default, r, dims[: p.dim] + [chunk_] + dims[p.dim + 1:])
+    xf, perm = _rs_front(e, x, lshape, p, n, contiguous)
     if uneven:  # pad to n equal pieces; this rank keeps its torch.chunk piece of the reduced result
         piece = ceil_div(int(size), n)
         xf = _pad_front(e, xf, len(lshape), piece * n - int(size))
+    front = [lshape[perm[0]] if not uneven else ceil_div(int(size), n) * n] + [lshape[i] for i in perm[1:]]
     r = e.comm(c10d.reduce_scatter_tensor.default, "reduce_scatter", mesh.names[a], xf, st.nbytes, "sum", n,
-               mesh.group_names[a])
+               mesh.group_names[a], shape=front)
     if uneven:
         r = e.op(aten.slice.Tensor, r, 0, 0, chunk(int(size), n, mesh.coords[a])[1])
     return e.contiguous(e.op(aten.permute.default, r, _inverse(perm))) if p.dim != 0 else r
@@ -147,7 +175,7 @@ def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous:
 def all_reduce(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:
     src = x if contiguous else e.contiguous(x)
     return e.comm(c10d.all_reduce.default, "all_reduce", mesh.names[st.axis], src, st.nbytes, st.src.op,
-                  mesh.group_names[st.axis])
+                  mesh.group_names[st.axis], shape=st.lshape)
 
 
 def local_slice(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:

@@ -21,7 +21,8 @@ class ShardContext:
     placements; ``out_required[i]`` is the placements output leaf ``i`` must
     have (None: whatever propagation chose). ``fallbacks`` lists ops computed
     replicated for lack of a rule. ``constraints`` maps ``fxshard::constrain`` keys to the
-    placements they pin (None: axis left free).
+    placements they pin (None: axis left free). ``planner`` is ``"greedy"`` (propagate's sweep) or
+    ``"global"`` (the solve pass re-plans the graph with a MILP).
     """
 
     mesh: MeshInfo
@@ -30,6 +31,7 @@ class ShardContext:
     constraints: dict[str, tuple[Optional[Pl], ...]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     label: str = "forward"
+    planner: str = "greedy"
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:

@@ -103,6 +103,14 @@ class InputCheck:
                 if n != int(r.local):
                     split = (f" ({int(r.size)} split {r.factor} ways: this rank holds {int(r.local)})"
                              if r.factor > 1 else "")
+                    if r.factor > 1 and n == int(r.size):
+                        raise ShardingError(
+                            f"{what} has size {n}, the GLOBAL size the module was sharded for{split}: a "
+                            f"ShardedModule takes this rank's local piece (x.chunk({r.factor}, {r.dim})[i] for "
+                            f"its coordinate i). If the example_inputs given to shard() were already local "
+                            f"pieces, shard with the global ones instead: example_inputs always have global "
+                            f"shapes (meta tensors work), calls take local pieces"
+                        )
                     raise ShardingError(
                         f"{what} has local size {n}, but the module was sharded for global size "
                         f"{int(r.size)}{split}; pass that size, or declare the dim dynamic with "

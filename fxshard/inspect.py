@@ -94,6 +94,7 @@ def explain(sm: Any) -> str:
             crow = [[c["node"], c["kind"], c["axis"], str(c["bytes"]), c["value"], f"{c['src']} -> {c['dst']}",
                      f"{c['consumer']} ({c['op'].replace('aten.', '')})", c["source"]] for c in comms]
             lines += _table(crow, ["collective", "kind", "axis", "bytes", "value", "change", "needed by", "source"])
+            lines += [f"{c['node']} is a gradient bucket of: {', '.join(c['bucket'])}" for c in comms if "bucket" in c]
         if prog.fallbacks:
             lines.append(f"fallbacks (no sharding rule, computed replicated): {', '.join(sorted(set(prog.fallbacks)))}")
     return "\n".join(lines)

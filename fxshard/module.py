@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -19,9 +20,12 @@ from .errors import ShardingError
 from .inputs import InputCheck
 from .mesh import MeshInfo
 from .passes.trace import Traced
-from .checkpoint import open_checkpoint, rank_pieces, take, to_dtensor
+from .checkpoint import (
+    Piece, assemble, global_view, held_pieces, local_piece, open_checkpoint, storage, take,
+)
 from .placements import Pl
 from .replicas import check_replicas, communicates, from_source, holds_sentinel
+from .tiled_init import draw_seed, fill as fill_tiles
 
 __all__ = ["ShardedModule", "Program", "Programs", "Training"]
 
@@ -206,6 +210,8 @@ class ShardedModule(nn.Module):
         self._unfilled: Optional[dict[str, tuple[int, int]]] = None
         if unfilled:
             self._unfilled = {n: (id(self._lookup(n)), self._lookup(n)._version) for n in unfilled}
+        self.register_state_dict_post_hook(_state_dict_as_dtensors)
+        self.register_load_state_dict_pre_hook(_state_dict_from_dtensors)
 
     # ---- the programs of the current modes ---------------------------------------------------
     @property
@@ -358,53 +364,93 @@ class ShardedModule(nn.Module):
         return pytree.tree_unflatten(list(outs[len(mutations):]), progs.traced.out_tree)
 
     # ---- state ---------------------------------------------------------------------------
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every ``state_dict`` entry (tied names and persistent buffers) as the tensor registered now:
+        a local shard, or FSDP2's DTensor of it after ``fully_shard``."""
+        out = {}
+        for prefix, m in self.named_modules(remove_duplicate=False):
+            pre = prefix + "." if prefix else ""
+            out.update({pre + n: p for n, p in m._parameters.items() if p is not None})
+            out.update({pre + n: b for n, b in m._buffers.items()
+                        if b is not None and n not in m._non_persistent_buffers_set})
+        return out
+
     def _dtensor(self, fqn: str, local: torch.Tensor) -> DTensor:
-        return to_dtensor(local, self._mesh, self._placements[fqn], self._global_shapes[fqn])
+        """``local`` (a shard of ``fqn``, or FSDP2's DTensor of it) as a DTensor of the global tensor."""
+        return global_view(local, self._mesh, self._placements[fqn], self._global_shapes[fqn], fqn)
+
+    def _pieces(self, fqn: str, local: torch.Tensor) -> list[Piece]:
+        return held_pieces(local, tuple(int(s) for s in self._global_shapes[fqn]), self._placements[fqn], self._info)
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer (non-persistent ones too), once per tensor."""
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
 
-    def init_parameters(self, init: Any) -> None:
-        """Fill every parameter and buffer (non-persistent buffers too) from ``init(fqn, full_tensor)``,
-        which writes the full (global-shape, CPU) tensor in place; this rank keeps its slice.
+    def init_parameters(self, init: Callable[[str, torch.Tensor], Any], *, exact: bool = False,
+                        seed: Optional[int] = None) -> None:
+        """Fill every parameter and buffer (non-persistent buffers too) by ``init(fqn, t)``, which writes ``t``
+        (global shape) in place, e.g. ``nn.init.normal_(t, std=0.02)``.
 
-        One tensor is materialized at a time, so peak memory is bounded by the largest single
-        parameter. Like ``shard()``, values come from rank ``src_data_rank`` (default 0): each full
-        tensor is broadcast from it, so even an unseeded ``init`` gives every rank consistent values
-        (with ``src_data_rank=None`` each rank keeps its own, and replicated values that differ raise a
-        ShardingError). With a per-tensor seeded ``init`` (e.g. ``torch.manual_seed(hash_of(fqn))``
-        then ``nn.init.normal_``), the result also equals the unsharded model's init.
+        Default (tiled): no full tensor is built. ``init`` runs on each fixed tile of the global tensor that
+        this rank holds (``t`` reports the global shape, so fan-in based inits are right; random ops draw from
+        a generator per ``(seed, fqn, tile)``; see ``fxshard.tiled_init``), so peak memory is the shard plus one
+        tile and the values do not depend on the mesh: ``fxshard.tiled_init(model, init, seed=seed)`` gives the
+        same values in the unsharded model. ``seed`` defaults to a draw from torch's generator on rank
+        ``src_data_rank``. Only elementwise/random ops on ``t`` are supported; others raise a ShardingError.
+        Tensors ``init`` does not write keep their values (a meta-built one stays unfilled).
+
+        ``exact=True``: ``init`` writes the full (CPU) tensor, one tensor at a time, and this rank keeps its
+        slice: any ``init`` works and a per-tensor seeded one reproduces the unsharded init bit for bit. Values
+        come from rank ``src_data_rank`` (default 0), whose full tensor is broadcast (with
+        ``src_data_rank=None`` each rank keeps its own, and replicated values that differ raise a ShardingError).
         """
         src = self._src_data_rank if communicates(self._mesh) else None
         own = self._named_tensors()
+        filled = []
         with torch.no_grad():
+            if not exact:
+                seed = draw_seed(seed)
+                if src is not None:
+                    seed = int(from_source(torch.tensor([seed]), src, self._mesh, torch.device("cpu"))[0])
             for name, local in own.items():
                 shape = tuple(int(s) for s in self._global_shapes[name])
+                if not exact:
+                    if fill_tiles(storage(local), name, shape, init, self._pieces(name, local), seed):
+                        filled.append(name)
+                    continue
                 full = torch.empty(shape, dtype=local.dtype, device="cpu")
                 init(name, full)
                 if src is not None:
                     full = from_source(full, src, self._mesh, local.device, writable=True)
-                local.copy_(take(full, self._placements[name], self._info))
+                self._write(name, local, lambda src_box: full[src_box])
+                filled.append(name)
                 del full
-        self._mark_filled(own)
+        self._mark_filled(filled)
         if self._src_data_rank is None:
             check_replicas(own, self._placements, self._mesh,
-                           "init_parameters(fn) with src_data_rank=None keeps each rank's values: seed fn per "
-                           "tensor, or shard with src_data_rank=0 to take rank 0's values")
+                           "init_parameters(fn) with src_data_rank=None keeps each rank's values: pass a seed, or "
+                           "seed fn per tensor with exact=True, or shard with src_data_rank=0 to take rank 0's values")
+
+    def _write(self, fqn: str, local: torch.Tensor, read: Callable[[tuple[slice, ...]], torch.Tensor]) -> None:
+        """Fill what ``local`` holds of ``fqn`` from ``read(box of the global tensor)``."""
+        pieces = self._pieces(fqn, local)
+        if pieces:
+            storage(local).copy_(assemble(pieces, read))
 
     def sharded_state_dict(self) -> dict[str, DTensor]:
-        """The state dict with every entry a DTensor over the mesh (no communication).
+        """``sm.state_dict()``: every entry a DTensor of the global tensor (no communication).
 
         This is what ``torch.distributed.checkpoint`` (DCP) saves and loads: its metadata
         records the global shapes and placements, so a checkpoint saved at one mesh loads at
-        another mesh, or into the unsharded model.
+        another mesh, or into the unsharded model. After FSDP2's ``fully_shard(sm, mesh=mesh["dp"])``
+        the DTensors live on the ``(dp, tp)`` mesh and still describe the global tensors.
         """
-        return {name: self._dtensor(name, local.detach()) for name, local in self.state_dict(keep_vars=True).items()}
+        return {name: self._dtensor(name, t.detach()) for name, t in self._state_tensors().items()}
 
     def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Copy DTensors (e.g. filled in place by ``dcp.load``) into the local shards."""
-        own = self.state_dict(keep_vars=True)
+        """Copy DTensors (e.g. filled in place by ``dcp.load``) into the local shards; a DTensor laid out
+        otherwise is gathered first, and a plain tensor must be this rank's local piece."""
+        own = self._state_tensors()
         missing = [k for k in own if k not in state_dict]
         if missing:
             raise ShardingError(f"load_sharded_state_dict: missing keys {missing[:5]}; pass sm.sharded_state_dict() "
@@ -412,15 +458,16 @@ class ShardedModule(nn.Module):
         with torch.no_grad():
             for name, local in own.items():
                 v = state_dict[name]
-                piece = v.to_local() if isinstance(v, DTensor) else v
-                if not isinstance(piece, torch.Tensor) or tuple(piece.shape) != tuple(local.shape):
-                    got = tuple(piece.shape) if isinstance(piece, torch.Tensor) else type(piece).__name__
+                if isinstance(v, DTensor):
+                    v = local_piece(v, self._dtensor(name, local.detach()), self._pieces(name, local), name)
+                if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(storage(local).shape):
+                    got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                     raise ShardingError(
                         f"load_sharded_state_dict: {name} is {got} on this rank, but its local shard is "
-                        f"{tuple(local.shape)}; pass sm.sharded_state_dict() after loading into it (dcp.load), "
-                        f"or use load_full_state_dict for full tensors"
+                        f"{tuple(storage(local).shape)}; pass sm.sharded_state_dict() after loading into it "
+                        f"(dcp.load), or use load_full_state_dict for full tensors"
                     )
-                local.copy_(piece)
+                storage(local).copy_(v)
         self._mark_filled(own)
 
     def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
@@ -428,11 +475,12 @@ class ShardedModule(nn.Module):
 
         Tensors are gathered one at a time; with ``cpu_offload`` each is moved to CPU right away,
         and with ``rank0_only`` other ranks drop it (they return ``{}``), so exporting a model to
-        one file needs at most one full tensor of device memory on any rank.
+        one file needs at most one full tensor of device memory on any rank. Works after FSDP2's
+        ``fully_shard`` too (gathered over both meshes).
         """
         keep = not rank0_only or torch.distributed.get_rank() == 0
         out = {}
-        for name, local in self.state_dict(keep_vars=True).items():
+        for name, local in self._state_tensors().items():
             full = self._dtensor(name, local.detach()).full_tensor()
             if keep:
                 out[name] = full.cpu() if cpu_offload else full
@@ -446,7 +494,7 @@ class ShardedModule(nn.Module):
         directory of HF-style sharded safetensors files; from files each rank reads only its slices.
         """
         reader = open_checkpoint(src)
-        own = self.state_dict(keep_vars=True)
+        own = self._state_tensors()
         have = set(reader.keys())
         missing = [k for k in own if k not in have]
         if missing:
@@ -456,9 +504,38 @@ class ShardedModule(nn.Module):
             )
         with torch.no_grad():
             for name, local in own.items():
-                shape = tuple(int(s) for s in self._global_shapes[name])
-                local.copy_(reader.read(name, rank_pieces(shape, self._placements[name], self._info), shape))
+                pieces = self._pieces(name, local)
+                if pieces:
+                    shape = tuple(int(s) for s in self._global_shapes[name])
+                    storage(local).copy_(reader.read(name, pieces, shape))
         self._mark_filled(own)
+
+
+def _state_dict_as_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """``sm.state_dict()`` post-hook: every entry of ``sm`` becomes the DTensor of its global tensor, so
+    ``dcp.save(sm.state_dict())`` and torch's ``get_model_state_dict`` (full or sharded) see global shapes."""
+    for fqn, t in sm._state_tensors().items():
+        if prefix + fqn in state_dict:
+            state_dict[prefix + fqn] = sm._dtensor(fqn, state_dict[prefix + fqn])
+
+
+def _state_dict_from_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, *rest: Any) -> None:
+    """``sm.load_state_dict()`` pre-hook: each entry given as a DTensor (any layout) or a full tensor becomes
+    this rank's piece, in the type of the registered tensor (FSDP2's DTensor after ``fully_shard``)."""
+    if isinstance(sm, FSDPModule):
+        sm.reshard()  # the registered parameters are FSDP2's sharded DTensors from here on
+    loaded = []
+    for fqn, own in sm._state_tensors().items():
+        key = prefix + fqn
+        if key not in state_dict:
+            continue
+        piece = local_piece(state_dict[key], sm._dtensor(fqn, own.detach()), sm._pieces(fqn, own), key)
+        if isinstance(own, DTensor):
+            piece = DTensor.from_local(piece, own.device_mesh, own.placements, shape=own.shape, stride=own.stride(),
+                                       run_check=False)
+        state_dict[key] = piece
+        loaded.append(fqn)
+    sm._mark_filled(loaded)
 
 
 def local_slice(full: torch.Tensor, mesh: DeviceMesh, pls: tuple[Pl, ...]) -> torch.Tensor:

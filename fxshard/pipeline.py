@@ -8,6 +8,7 @@ placements, required output placements and constraints; see ``passes/trace.py``,
 pass           requires              ensures              file
 =============  ====================  ===================  ==========================================
 propagate      traced                specs                ``passes/propagate.py``
+solve          specs                 specs                ``passes/solve.py`` (re-plans when ``ctx.planner == "global"``)
 redistribute   specs                 arrive               ``passes/redistribute.py``
 localize       arrive                local                ``passes/localize.py``
 emit           local                 clean                ``passes/emit.py``
@@ -35,9 +36,10 @@ from .passes.localize import localize
 from .passes.overlap import overlap_pass
 from .passes.propagate import propagate
 from .passes.redistribute import redistribute
+from .passes.solve import solve
 from .passes.verify import FACTS, enabled, verify
 
-__all__ = ["Pass", "Pipeline", "DEFAULT", "PROPAGATE", "REDISTRIBUTE", "LOCALIZE", "EMIT", "OVERLAP"]
+__all__ = ["Pass", "Pipeline", "DEFAULT", "PROPAGATE", "SOLVE", "REDISTRIBUTE", "LOCALIZE", "EMIT", "OVERLAP"]
 
 PassFn = Callable[[fx.GraphModule, ShardContext], fx.GraphModule]
 
@@ -58,6 +60,7 @@ class Pass:
 INITIAL = frozenset({"traced", "global"})
 
 PROPAGATE = Pass("propagate", propagate, frozenset({"traced"}), frozenset({"specs"}))
+SOLVE = Pass("solve", solve, frozenset({"specs"}), frozenset({"specs"}))
 REDISTRIBUTE = Pass("redistribute", redistribute, frozenset({"specs"}), frozenset({"arrive"}), frozenset({"global"}))
 LOCALIZE = Pass("localize", localize, frozenset({"arrive"}), frozenset({"local"}))
 EMIT = Pass("emit", emit, frozenset({"local"}), frozenset({"clean"}))
@@ -136,4 +139,4 @@ class Pipeline:
         return [p.name for p in self.passes]
 
 
-DEFAULT = Pipeline((PROPAGATE, REDISTRIBUTE, LOCALIZE, EMIT))
+DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT))

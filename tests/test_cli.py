@@ -30,6 +30,15 @@ def test_plan_tiny_llama_prints_exact_shard_bytes_and_collectives():
     assert "tracing the forward" in r.stderr  # progress
 
 
+def test_plan_takes_the_inputs_the_builder_returns():
+    r = run("plan", "examples.seed004_big_head:planned", "--mesh", "dp=2,tp=2", "--plan",
+            "examples.seed004_big_head:PLAN")
+    assert r.returncode == 0, r.stderr
+    assert "inputs from MODEL: x=[16, 3, 8, 8], target=[16]" in r.stdout, r.stdout
+    fwd = next(l for l in r.stdout.splitlines() if l.split()[:2] == ["forward", "all_reduce"])
+    assert int(fwd.split("bytes")[1].split()[0].replace(",", "")) < 1000, fwd  # loss parallel: statistics only
+
+
 def test_plan_bad_mesh_is_one_line_error():
     r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "tp=two")
     assert r.returncode == 2

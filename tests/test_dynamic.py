@@ -118,3 +118,13 @@ def test_dynamic_batch_and_sequence_train_with_heads_kept_split():
         assert r["loss_err"] <= 1e-4 and r["param_err"] <= TOL, r
         # Megatron's attention/MLP all_reduces only: q, k, v stay head-split at every size
         assert "all_gather" not in r["stats"]["forward"], r["stats"]
+
+
+def test_a_global_input_at_call_time_names_the_convention(mesh2):
+    """shard() takes global example_inputs and calls take local pieces; a call with the global size (or a
+    module sharded from local example_inputs, then called with them) says so."""
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, {}, example_inputs=(torch.randn(8, 16),), in_specs=(P("tp"),))
+    with pytest.raises(ShardingError, match=r"input 0 dim 0 has size 8, the GLOBAL size the module was sharded for "
+                                            r"\(8 split 2 ways: this rank holds 4\): a ShardedModule takes this rank's "
+                                            r"local piece .* example_inputs always have global shapes"):
+        sm(torch.randn(8, 16))

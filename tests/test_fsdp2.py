@@ -1,7 +1,11 @@
-"""Composing with torch's FSDP2: ``fully_shard`` over the dp axis of a module fxshard sharded on tp.
+"""Composing with torch's FSDP2 and its state-dict tooling.
 
-4 real gloo ranks on a (dp=2, tp=2) mesh; the reference is the unsharded model trained on the
-global batch (the dp ranks' local batches concatenated).
+* ``fully_shard`` over the dp axis of a module fxshard sharded on tp: 4 real gloo ranks on a (dp=2, tp=2)
+  mesh, the reference is the unsharded model trained on the global batch (the dp ranks' local batches
+  concatenated); its full state dict (``sm.full_state_dict()`` and torch's ``get_model_state_dict``) is the
+  unsharded model's, and saving then loading it into a fresh composed module gives the same loss.
+* state dicts between fxshard and a plain FSDP2 model, both ways, through
+  ``torch.distributed.checkpoint.state_dict`` (2 gloo ranks, forward and gradients against the unsharded model).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -20,16 +25,34 @@ from tests.test_forward_parity import transformer_plan
 from tests.test_training import train_on_local_batches
 
 TOL = 1e-5
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def _transformer(seed: int) -> models.TransformerWithLoss:
+    torch.manual_seed(seed)
+    return models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16)
+
+
+def _state_err(got: dict, want: dict) -> float:
+    """Max |difference| over ``want``'s keys; inf when keys or shapes differ."""
+    if set(got) != set(want) or any(tuple(got[k].shape) != tuple(want[k].shape) for k in want):
+        return float("inf")
+    return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
 def _fsdp2_over_dp(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(dp=2, tp=2)
     dp_rank = mesh.get_coordinate()[0]
-    model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16)
+    model = _transformer(0)
     batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 10)) for s in range(2)]
     local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
-    sm = fxshard.shard(copy.deepcopy(model), mesh["tp"], transformer_plan(2), example_inputs=local(batches[0]))
-    fully_shard(sm, mesh=mesh["dp"])
+
+    def composed(m):
+        sm = fxshard.shard(copy.deepcopy(m), mesh["tp"], transformer_plan(2), example_inputs=local(batches[0]))
+        fully_shard(sm, mesh=mesh["dp"])
+        return sm
+
+    sm = composed(model)
     dp_sharded = all(isinstance(p, DTensor) for p in sm.parameters())
 
     def dp_mean(loss: float) -> float:  # equal local batches: the global mean is the mean of local means
@@ -45,10 +68,81 @@ def _fsdp2_over_dp(rank: int, world: int) -> dict:
         tp_local = p.full_tensor()  # gathered over dp: this rank's tp shard
         want = local_slice(ref[name].detach(), mesh["tp"], sm._placements[name])
         param_err = max(param_err, (tp_local - want).abs().max().item())
-    return {"loss_err": worst, "param_err": param_err, "dp_sharded": dp_sharded}
+
+    # full state dicts are the trained unsharded model's (true shapes, not FSDP2's view of a tp shard)
+    want = model.state_dict()
+    torch_full = get_model_state_dict(sm, options=FULL)
+    full_errs = [_state_err(sm.full_state_dict(), want), _state_err(torch_full, want)]
+    # save -> load into a fresh composed module (other init) -> same loss as the trained one
+    fresh = composed(_transformer(1))
+    set_model_state_dict(fresh, torch_full, options=FULL)
+    again = composed(_transformer(2))
+    again.load_state_dict(get_model_state_dict(sm))  # sharded DTensors over (dp, tp), no gathering
+    with torch.no_grad():
+        b = local(batches[1])
+        loss = sm(*b).item()
+        reload_errs = [abs(fresh(*b).item() - loss), abs(again(*b).item() - loss)]
+    return {"loss_err": worst, "param_err": param_err, "dp_sharded": dp_sharded, "full_errs": full_errs,
+            "reload_errs": reload_errs}
 
 
 def test_fully_shard_over_dp_composes_with_fxshard_tp():
     for res in run_ranks(_fsdp2_over_dp, 4, timeout=300):
         assert res["dp_sharded"], res
         assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
+        assert max(res["full_errs"]) <= TOL, res  # inf if a key or shape differed
+        assert max(res["reload_errs"]) <= TOL, res
+
+
+def _loss_and_grads(m, batch, grad_of) -> tuple[float, dict]:
+    m.zero_grad()
+    loss = m(*batch)
+    loss.backward()
+    return loss.item(), {n: grad_of(n, p) for n, p in m.named_parameters()}
+
+
+def _with_plain_fsdp2(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    ref = _transformer(0)
+    batch = (models.make_tokens(2, 16, 64, seed=0), models.make_tokens(2, 16, 64, seed=1))
+    want_loss, want_grads = _loss_and_grads(ref, batch, lambda n, p: p.grad)
+
+    def fxs(seed: int):
+        return fxshard.shard(_transformer(seed), mesh, transformer_plan(2), example_inputs=batch)
+
+    def fxs_check(sm) -> dict:
+        loss, grads = _loss_and_grads(sm, batch, lambda n, p: sm._dtensor(n, p.grad).full_tensor())
+        return {"loss": abs(loss - want_loss), "grads": _state_err(grads, want_grads)}
+
+    def fsdp2(seed: int):
+        m = _transformer(seed)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    out = {}
+    sm = fxs(0)
+    full = get_model_state_dict(sm, options=FULL)
+    out["full"] = _state_err(full, ref.state_dict())
+    # fxshard's full state dict -> a model under fully_shard
+    plain = fsdp2(1)
+    set_model_state_dict(plain, full, options=FULL)
+    loss, grads = _loss_and_grads(plain, batch, lambda n, p: p.grad.full_tensor())
+    out["into_fsdp2"] = {"loss": abs(loss - want_loss), "grads": _state_err(grads, want_grads)}
+    # FSDP2's sharded state dict (DTensors split on dim 0 over the mesh) -> fxshard, and its full one
+    sm2 = fxs(1)
+    set_model_state_dict(sm2, get_model_state_dict(plain))
+    out["from_fsdp2_sharded"] = fxs_check(sm2)
+    sm3 = fxs(2)
+    set_model_state_dict(sm3, get_model_state_dict(plain, options=FULL), options=FULL)
+    out["from_fsdp2_full"] = fxs_check(sm3)
+    sm4 = fxs(3)
+    sm4.load_state_dict(ref.state_dict())  # a plain full state dict
+    out["from_full"] = fxs_check(sm4)
+    return out
+
+
+def test_state_dicts_round_trip_with_plain_fsdp2():
+    for res in run_ranks(_with_plain_fsdp2, 2, timeout=240):
+        assert res["full"] == 0.0, res
+        for case in ("into_fsdp2", "from_fsdp2_sharded", "from_fsdp2_full", "from_full"):
+            assert res[case]["loss"] <= TOL and res[case]["grads"] <= TOL, (case, res)

@@ -2,9 +2,7 @@
 (``fxshard.shard(model, mesh, "hf", ...)``) on 2 gloo ranks, trained 2 SGD steps with the loss inside
 (labels passed) and compared with the unsharded model: the loss and every parameter within ``TOL``.
 
-Every architecture must be exact or raise a ``ShardingError``, never silently wrong. Known failures that
-belong to another part of the pipeline are listed in ``JOINT_BUGS`` (temporary: remove an entry once the
-fix is merged; the test fails when a listed model becomes exact, so the list cannot go stale).
+Every architecture must be exact or raise a ``ShardingError``, never silently wrong.
 
 CI runs ``CI_ARCHS`` in one spawn. The whole zoo: ``python -m tests.test_hf_zoo --all`` (or name
 architectures: ``python -m tests.test_hf_zoo llama mixtral``); it prints the result table and wall time.
@@ -54,17 +52,6 @@ ZOO: dict[str, dict[str, Any]] = {
 }
 CI_ARCHS = ["llama", "mistral", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "gpt_neox", "starcoder2", "mixtral",
             "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "llama4_text", "deepseek_v3"]
-# temporary: architectures that fail because of the joint-graph tracer (fxshard/passes/joint.py, trace.py),
-# arch -> a substring of the failure the table shows. Remove an entry once its fix is merged.
-JOINT_BUGS: dict[str, str] = {
-    # in-place slice copies of the rotary part (MLA) in the traced forward
-    "deepseek_v2": "derivative for aten::copy", "deepseek_v3": "derivative for aten::copy",
-    "glm4_moe_lite": "derivative for aten::copy", "minicpm3": "derivative for aten::copy",
-    # a learned attention mask (requires grad) reaches the fused CPU attention kernel
-    "doge": "not differentiable with respect to argument 'attn_mask'",
-    # torch.no_grad / detach regions of the forward are differentiated anyway
-    "hrm_text": "wrong numbers",
-}
 
 
 def build(arch: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -159,16 +146,11 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 
 def verdicts(results: dict[str, dict[str, Any]]) -> list[str]:
-    """Problems: a model silently wrong or failing with something other than a ShardingError (unless listed in
-    JOINT_BUGS with that failure), or a JOINT_BUGS entry that no longer fails that way."""
+    """Problems: a model silently wrong or failing with something other than a ShardingError."""
     bad = []
     for arch, r in results.items():
         shown = r.get("detail") or (f"wrong numbers (worst: {r['worst']})" if r["status"] == "wrong" else "")
-        if arch in JOINT_BUGS:
-            if JOINT_BUGS[arch] not in shown:
-                bad.append(f"{arch}: listed in JOINT_BUGS as {JOINT_BUGS[arch]!r} but got {r['status']} {shown}; "
-                           f"update or remove the entry")
-        elif r["status"] not in ("exact", "ShardingError"):
+        if r["status"] not in ("exact", "ShardingError"):
             bad.append(f"{arch}: {r['status']} {shown}")
     return bad
 

@@ -5,9 +5,9 @@ the forward loss, every parameter gradient (gathered; None exactly where eager l
 input gradients and the parameters after the steps. The cases are each a way the joint graph once
 went silently wrong or crashed: in-place ops in backward formulas (max/min), a decomposition with a
 different backward (index_fill), inputs named like graph nodes, stop-gradients (no_grad, detach),
-a learned attention mask, in-place slice copies and circular padding, data-dependent shapes, a
-collective under no_grad, meta example inputs for a real model. Error messages are checked on the
-fake process group.
+a learned attention mask, in-place slice copies and circular padding, data-dependent shapes (also of
+an output), a collective under no_grad, meta example inputs for a real model. Error messages are
+checked on the fake process group.
 """
 
 from __future__ import annotations
@@ -166,6 +166,18 @@ class DataDependent(nn.Module):
         return a + b + c + (p ** 2).sum() + q.sum()
 
 
+class DataDependentOutput(nn.Module):
+    """An output whose size the data decides: its cotangent (the backward's input) has that size too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.masked_select(h, h > 0) * 2
+
+
 class CollectiveNoGrad(nn.Module):
     """A user all_reduce on a value that needs no gradient: runs as written, like eager on every rank."""
 
@@ -252,7 +264,7 @@ def _parity(mesh, model: nn.Module, inputs: tuple, plan: dict, *, in_specs: Any 
         opt.zero_grad()
         ins_ref = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
         ins = [x.detach().clone().requires_grad_(x.requires_grad) for x in local_inputs]
-        loss_ref, loss = ref(*ins_ref), sm(*ins)
+        loss_ref, loss = _scalar(ref(*ins_ref)), _scalar(sm(*ins))
         loss_ref.backward()
         loss.backward()
         res["loss"] = max(res["loss"], abs(loss.item() - loss_ref.item()) / max(1.0, abs(loss_ref.item())))
@@ -274,6 +286,11 @@ def _parity(mesh, model: nn.Module, inputs: tuple, plan: dict, *, in_specs: Any 
     full = sm.full_state_dict()
     res["param"] = max(_rel(full[k], v) for k, v in ref.state_dict().items())
     return res
+
+
+def _scalar(y: torch.Tensor) -> torch.Tensor:
+    """A model's output as a loss: itself when a scalar, else the sum of its squares."""
+    return y if y.dim() == 0 else (y ** 2).sum()
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -309,6 +326,8 @@ def _cases(rank: int, world: int) -> dict:
                                   local=_batch_chunk(rank, world))
     out["data_dependent"] = _parity(mesh, DataDependent(), (randn(5, 4), torch.tensor([2])),
                                     {"lin": ColwiseParallel()})
+    out["data_dependent_output"] = _parity(mesh, DataDependentOutput(), (randn(5, 4, grad=True),),
+                                           {"lin": ColwiseParallel()})
     out["collective_no_grad"] = _parity(mesh, CollectiveNoGrad(), (randn(3, 4),), {"b": ColwiseParallel()})
     ids = torch.randint(0, 16, (4,), generator=g)
     out["meta_inputs"] = _parity(mesh, Tokens(), (randn(4, 8, grad=True), ids), {"lin": ColwiseParallel()},
@@ -363,8 +382,9 @@ def test_in_place_slice_copies_and_circular_pad_train(cases, case):
     _assert_parity(cases[case], 1e-4)
 
 
-def test_data_dependent_shapes_train(cases):
-    _assert_parity(cases["data_dependent"])
+@pytest.mark.parametrize("case", ["data_dependent", "data_dependent_output"])
+def test_data_dependent_shapes_train(cases, case):
+    _assert_parity(cases[case])
 
 
 def test_collective_under_no_grad_runs_as_written(cases):
@@ -416,10 +436,23 @@ class _ValueBranch(nn.Module):
         return (h ** 2).sum()
 
 
+class _EffectToken(nn.Module):
+    """eig's backward solves a system, whose error check torch orders by an effect token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.linalg.eigvals(h[:, :3] @ h[:, :3].T).real.sum()
+
+
 @pytest.mark.parametrize("model,needles", [
     (_NoDerivative, ["special_zeta", "derivative for 'zeta' is not implemented",
                      "torch.special.zeta(h.abs() + 2", "torch.no_grad()"]),
     (_ValueBranch, ["GuardOnDataDependentSymNode", "if (h > 0).sum() > 3:", "torch.where"]),
+    (_EffectToken, ["_linalg_check_errors", "effect token", "torch.linalg.eigvals(h[:, :3]", "torch.no_grad()"]),
 ])
 def test_tracing_failures_are_one_readable_error(mesh2, capfd, model, needles):
     capfd.readouterr()
@@ -431,6 +464,31 @@ def test_tracing_failures_are_one_readable_error(mesh2, capfd, model, needles):
     assert ei.value.__cause__ is None and ei.value.__suppress_context__  # no torch traceback chained
     err = capfd.readouterr().err
     assert "Traceback" not in err and "GraphModule" not in err and "symbolic_shapes" not in err, err
+
+
+class _InfiniteBranches(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        return torch.ops.aten._safe_softmax(x, 1), torch.special.log_ndtr(y)
+
+
+def test_gradients_where_a_decomposition_has_an_infinite_branch_match_eager():
+    """Rows of -inf in ``_safe_softmax`` and very negative ``log_ndtr`` inputs: the decomposed forward's
+    unselected branch is infinite there, and its zero gradient must not become NaN (eager's is finite)."""
+    from fxshard.passes.joint import trace_joint
+    from fxshard.passes.trace import trace_forward
+
+    x = torch.randn(2, 3, 4)
+    x[0, :, 1] = x[1, 0, :] = x[1, :, 2] = float("-inf")
+    y = torch.tensor([-20.0, -7.38, -5.63, -1.0, 0.5, 1.0, 3.0, 7.3])
+    model = _InfiniteBranches()
+    traced = trace_forward(model, (x, y), {})
+    joint = trace_joint(traced, traced.gm, [True, True])
+    cot = (torch.randn(2, 3, 4), torch.randn(8))
+    got = joint.gm(x, y, *cot)
+    xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+    want = model(xr, yr)
+    for g, w in zip(got, [*want, *torch.autograd.grad(want, [xr, yr], cot)]):
+        torch.testing.assert_close(g, w.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_joint_graph_is_functional(mesh2):

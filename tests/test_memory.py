@@ -154,32 +154,6 @@ def test_meta_model_loads_only_its_slices(sharded_dir):
             assert res["growth"] < 0.75 * res["full_bytes"], res
 
 
-def _seeded_init(name: str, t: torch.Tensor) -> None:
-    g = torch.Generator().manual_seed(sum(ord(c) * (i + 1) for i, c in enumerate(name)))
-    with torch.no_grad():
-        t.copy_(torch.randn(t.shape, generator=g) * 0.02)
-
-
-def _init_on_meta(rank: int, world: int) -> dict:
-    mesh = fxshard.init_mesh(tp=world)
-    with torch.device("meta"):
-        model = models.ToyModel(64, 256)
-    x = torch.randn(4, 64)
-    sm = fxshard.shard(model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()}, example_inputs=(x,))
-    sm.init_parameters(_seeded_init)
-    ref = models.ToyModel(64, 256)
-    for name, t in ref.state_dict().items():
-        _seeded_init(name, t)
-    with torch.no_grad():
-        return {"err": (sm(x) - ref(x)).abs().max().item(),
-                "state": max((a - ref.state_dict()[k]).abs().max().item() for k, a in sm.full_state_dict().items())}
-
-
-def test_meta_model_initialized_shard_by_shard_matches_unsharded_init():
-    for res in run_ranks(_init_on_meta, 2):
-        assert res["state"] == 0.0 and res["err"] <= 1e-5
-
-
 def test_backward_peak_does_not_count_saved_parameters_twice(mesh2):
     from fxshard.memory import _saved_state, program_peak
 

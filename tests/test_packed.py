@@ -130,9 +130,10 @@ def _one_rank(mesh, shapes, specs, styles, path):
     for node, slot in zip([n for n in sm._fwd.gm.graph.nodes if n.op == "placeholder"], sm._slots):
         if slot.kind == "param":
             placeholder[slot.names[0]] = tuple(int(s) for s in node.meta[META_KEY].local_shape(info.sizes, info.coords))
-    own = {n: t.clone() for n, t in sm.state_dict().items()}
+    local = lambda: {n: t.detach().clone() for n, t in [*sm.named_parameters(), *sm.named_buffers()]}
+    own = local()
     sm.init_parameters(lambda name, t: t.copy_(full[name]))
-    init = {n: t.clone() for n, t in sm.state_dict().items()}
+    init = local()
     save_file(full, path)
     sm.load_full_state_dict(path)
     out = {}
@@ -141,7 +142,7 @@ def _one_rank(mesh, shapes, specs, styles, path):
         p = tuple(fxshard.placements.from_torch(q) for q in p)
         torch_cut = distribute_tensor(full[n], mesh, [to_torch(q) for q in p], src_data_rank=None).to_local()
         pieces = [own[n], program[i], reference_piece(full[n], p, info.sizes, info.coords), torch_cut,
-                  take(full[n], p, info), init[n], sm.state_dict()[n]]
+                  take(full[n], p, info), init[n], local()[n]]
         out[n] = (p, pieces, placeholder[n])
     return out
 

@@ -223,6 +223,20 @@ def test_redistribute_counts(mesh2, in_specs, out_specs, plan, expected):
     assert forward_comms(sm) == expected
 
 
+@pytest.mark.parametrize("plan,kind", [
+    ({"net1": ColwiseParallel(), "net2": ColwiseParallel()}, "all_gather"),  # last-dim pieces gathered
+    ({"net1": ColwiseParallel(), "net2": RowwiseParallel(output_layouts=Shard(-1))}, "reduce_scatter"),
+])
+def test_last_dim_gather_and_reduce_scatter_copy_once(mesh2, plan, kind):
+    # moving the split dim to the front and back used to take two transposing copies
+    sm = shard_checked(toy(), mesh2, plan, (toy_x(),), out_specs=None if kind == "all_gather" else P(None, "tp"))
+    gm = sm._programs()[0].gm
+    comms = forward_comms(sm)
+    assert list(comms) == [kind], comms
+    copies = [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default and n.meta.get(INSERTED_KEY)]
+    assert len(copies) == comms[kind], gm.code
+
+
 def test_redistribute_transformer_two_all_reduces_per_layer(mesh2):
     n_layers = 2
     sm = shard_checked(transformer(n_layers), mesh2, transformer_plan(n_layers), (models.make_tokens(2, 16, 64),))

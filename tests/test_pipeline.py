@@ -26,7 +26,7 @@ def test_pipeline_rejects_a_pass_whose_requirements_nothing_ensures():
         Pipeline((PROPAGATE, LOCALIZE, EMIT))
     with pytest.raises(ShardingError, match="per-program"):
         Pipeline((PROPAGATE, REDISTRIBUTE, LOCALIZE, EMIT, OVERLAP, Pass("late", lambda gm, ctx: gm)))
-    assert DEFAULT.with_pass(OVERLAP).names == ["propagate", "redistribute", "localize", "emit", "overlap"]
+    assert DEFAULT.with_pass(OVERLAP).names == ["propagate", "solve", "redistribute", "localize", "emit", "overlap"]
 
 
 def _drop_a_wait(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
@@ -43,8 +43,9 @@ def _drop_a_wait(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
 def test_verifier_names_the_pass_that_broke_a_fact(mesh2):
     model = models.ToyModel(16, 32).requires_grad_(False)
     plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-    broken = Pipeline(DEFAULT.passes[:2] + (Pass("drop_wait", _drop_a_wait, frozenset({"arrive"})),)
-                      + DEFAULT.passes[2:])
+    after = DEFAULT.names.index("redistribute") + 1
+    broken = Pipeline(DEFAULT.passes[:after] + (Pass("drop_wait", _drop_a_wait, frozenset({"arrive"})),)
+                      + DEFAULT.passes[after:])
     with pytest.raises(ShardingError, match="after pass 'drop_wait'.*'arrive'"):
         fxshard.shard(model, mesh2, plan, example_inputs=(torch.randn(8, 16),), pipeline=broken)
     sm = fxshard.shard(model, mesh2, plan, example_inputs=(torch.randn(8, 16),))  # the real passes keep it

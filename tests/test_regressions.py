@@ -47,6 +47,15 @@ class _BatchNormUpdate(nn.Module):
         return aten._batch_norm_with_update(x, self.weight, self.bias, self.mean, self.var, 0.5, 1e-5)[0]
 
 
+class _TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.lin(a) * 2 + b
+
+
 def _grad_of(model: nn.Module, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
     x = x.detach().clone().requires_grad_()
     (model(x) * cot).sum().backward()
@@ -84,6 +93,14 @@ def _cases(rank: int, world: int) -> dict:
     got = _grad_of(sm, x.chunk(world, 0)[rank], cot.chunk(world, 0)[rank])
     res["batch_norm_grad"] = (got - want.chunk(world, 0)[rank]).abs().max().item()
     res["batch_norm_stats"] = max((sm.mean - ref.mean).abs().max().item(), (sm.var - ref.var).abs().max().item())
+
+    # one tensor object given as two example inputs: export traced them as one input, so the module
+    # computed f(b, b) for f(a, b)
+    torch.manual_seed(0)
+    ref = _TwoInputs()
+    sm = fxshard.shard(ref, mesh, example_inputs=(torch.zeros(2, 4),) * 2)
+    a, b = torch.randn(2, 4, generator=gen), torch.randn(2, 4, generator=gen)
+    res["same_example_twice"] = (sm(a, b) - ref(a, b)).abs().max().item()
     return res
 
 
@@ -93,6 +110,7 @@ def test_fixed_cases_match_eager_on_two_ranks():
         assert res["squeeze"] == 0.0, res
         assert res["int16"], res
         assert res["batch_norm_grad"] <= 1e-5 and res["batch_norm_stats"] <= 1e-5, res
+        assert res["same_example_twice"] <= 1e-6, res
 
 
 def test_local_slices_of_inner_dims_are_contiguous(mesh2):

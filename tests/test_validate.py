@@ -62,6 +62,15 @@ def test_validator_catches_a_shape_error_on_an_uneven_piece(monkeypatch):
     assert checked == 1 and "RuntimeError" in bad[0].error
 
 
+def test_a_split_into_one_chunk_keeps_an_uneven_piece_whole():
+    """``split(x, 5, 1)`` of a dim of 5 split 3/2 over 2 ranks is one chunk: each rank's whole piece, not
+    the piece cut at 5 // 2 (which gives rank 0 two chunks)."""
+    x = torch.randn(5, 5, 5)
+    for op, size in ((aten.split.Tensor, 5), (aten.split.Tensor, 7), (aten.split_with_sizes.default, [5])):
+        checked, bad = validate.check_call(op, (x, size, 1), ranks=(2, 3))
+        assert checked > 0 and not bad, bad
+
+
 @pytest.mark.parametrize("p", [R, S(0), S(1), S(1, 2), Part("sum"), Part("max"), Part("min")])
 def test_pieces_reassemble(p):
     t = torch.randn(5, 8)

@@ -40,7 +40,7 @@ from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from ..errors import ShardingError
@@ -63,12 +63,27 @@ class Joint:
 
 
 def _example(val: Any, mode: FakeTensorMode) -> Any:
-    """A fake tensor like ``val`` (global shape, same device): nothing is allocated."""
-    if isinstance(val, torch.Tensor):
+    """A fake tensor of ``mode`` like ``val`` (global shape, same device): nothing is allocated. A
+    data-dependent size (an unbacked symbol of the forward's trace, e.g. ``masked_select``'s) becomes a
+    fresh unbacked symbol of ``mode``: ``_tie_sizes`` equates it with the size the joint trace gives."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    if not free_unbacked_symbols(val.shape):
         with mode:
-            return torch.empty_strided(tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()),
-                                       dtype=val.dtype, device=val.device)
-    return val
+            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+    env = mode.shape_env
+    with env.ignore_fresh_unbacked_symbols():  # an input's symbols: no op binds them
+        shape = [env.create_unbacked_symint() if free_unbacked_symbols(s) else s for s in val.shape]
+    with mode:
+        return torch.empty(shape, dtype=val.dtype, device=val.device)
+
+
+def _tie_sizes(out: torch.Tensor, tangent: torch.Tensor) -> None:
+    """Assert that the data-dependent sizes of ``tangent`` (``_example``) are ``out``'s, so autograd's
+    shape check and every later size comparison see one value."""
+    for a, b in zip(tangent.shape, out.shape):
+        if free_unbacked_symbols(a):
+            torch._check(a == b)
 
 
 _COLLECTIVES = ("_c10d_functional", "c10d", "_c10d_functional_autograd")
@@ -157,13 +172,11 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
     if dynamic:  # trace on export's own fake tensors: their dynamic dims stay symbols of its ShapeEnv
         mode = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor))
         primals = list(vals)
-        with mode:
-            tangents = [torch.empty_like(out_leaves[i].meta["val"]) for i in diff_out]
     else:
         # a ShapeEnv gives data-dependent sizes (masked_select, a boolean index's backward) symbols
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
         primals = [_example(v, mode) for v in vals]
-        tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
+    tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
@@ -176,6 +189,8 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
         with fx_traceback.preserve_node_meta():  # joint nodes keep the forward's source lines
             outs = interp.run(*prim)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for i, t in zip(diff_out, tangents):
+            _tie_sizes(outs[i], t)
         pairs = [(outs[i], t) for i, t in zip(diff_out, tangents) if outs[i].requires_grad]
         inputs = [prim[i] for i in diff_in]
         if pairs and inputs:
@@ -201,6 +216,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
             "if no gradient is needed there, compute it under torch.no_grad() or on .detach()-ed values; to shard "
             "for inference only, set requires_grad=False on the parameters and example inputs",
             where=(source_line(at) or at.name) if at is not None else None) from None
+    _reject_effect_tokens(gm)
     gm = _name_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
@@ -211,6 +227,20 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
                                 f"please report this model")
     gm = _cse(gm)
     return Joint(gm, len(primals), diff_out, diff_in, n_out)
+
+
+def _reject_effect_tokens(gm: fx.GraphModule) -> None:
+    """Raise a ShardingError when the trace ordered an op with side effects by an effect token (a
+    ``with_effects`` node fed by an extra placeholder): fxshard's programs do not thread tokens."""
+    near = ""  # the user's line of the closest node before it that has one (the token op has none)
+    for n in gm.graph.nodes:
+        near = source_line(n) or near
+        if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects:
+            raise ShardingError(
+                f"the training graph calls {n.args[1]}, an op with side effects (such as a linalg error check "
+                f"in a backward formula) that torch orders through an effect token, which fxshard does not "
+                f"thread through its programs [at {near or n.name}]; compute that part without "
+                f"gradients (torch.no_grad() or .detach()) or outside the sharded module") from None
 
 
 @dataclass

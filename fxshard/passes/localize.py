@@ -158,7 +158,8 @@ def _localize_slice(node: fx.Node, ctx: ShardContext) -> None:
 
 
 def _localize_split(node: fx.Node, ctx: ShardContext) -> None:
-    """A split along a split dim (packed blocks cut apart, ``rules/view.py::_split``) cuts local sizes."""
+    """A split along a split dim (packed blocks cut apart, ``rules/view.py::_split``) cuts local sizes;
+    a split into one chunk (the whole dim, possibly an uneven piece) keeps this rank's whole piece."""
     src = tensor_inputs(node)[0].meta.get(META_KEY)
     if not isinstance(src, Spec):
         return
@@ -167,5 +168,9 @@ def _localize_split(node: fx.Node, ctx: ShardContext) -> None:
     f = shard_factor(src.placements, ctx.mesh.sizes, dim)
     if f > 1:
         sizes = args[1]
-        args[1] = [int(s) // f for s in sizes] if isinstance(sizes, (list, tuple)) else int(sizes) // f
+        if is_uneven(src.shape[dim], f):  # only one chunk keeps an uneven split (the rule's)
+            local = int(src.local_shape(ctx.mesh.sizes, ctx.mesh.coords)[dim])
+            args[1] = [local] if isinstance(sizes, (list, tuple)) else local
+        else:
+            args[1] = [int(s) // f for s in sizes] if isinstance(sizes, (list, tuple)) else int(sizes) // f
         node.args = tuple(args)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import sys
 import traceback
@@ -98,21 +99,49 @@ FUSED_BACKWARD = (
 )
 
 
-def decomposition_table() -> Any:
+def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
     """torch.export's core-ATen table minus ``FUSED_FORWARD``, plus softmax decompositions.
 
     Ensures: ``_softmax``/``_log_softmax`` decompose (loss parallel needs a split class dim to become
-    Partial max/sum reductions); the ops in ``FUSED_FORWARD`` stay fused (they have rules).
+    Partial max/sum reductions), their row max through ``stop_gradient`` (``detach`` where the tracer
+    runs autograd itself, as make_fx does; export's graphs mark it with ``fxshard::stop_gradient``);
+    the ops in ``FUSED_FORWARD`` stay fused (they have rules).
     """
     table = torch.export.default_decompositions()
     for op in FUSED_FORWARD:
         table.pop(op, None)
-    table[aten._softmax.default] = _decomps._softmax
-    table[aten._log_softmax.default] = _decomps._log_softmax
+    table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(stop_gradient)
     table[aten.index_fill.int_Tensor] = _index_fill
     table[aten.index_fill.int_Scalar] = _index_fill
     table[aten.copy.default] = _copy
+    table[aten._safe_softmax.default] = _safe_softmax
+    table[aten.special_log_ndtr.default] = _log_ndtr
     return table
+
+
+def _softmaxes(stop: Any) -> tuple[Any, Any]:
+    """``_softmax`` and ``_log_softmax`` decomposed as torch does, except that the row max they subtract
+    goes through ``stop`` (a stop-gradient). Softmax is shift invariant, so no gradient flows through
+    that max (eager's fused backward has none); differentiating it cost six extra passes over the
+    logits in every backward, and collectives when the class dim is split."""
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+    def shifted(x: torch.Tensor, dim: int, half_to_float: bool) -> tuple[torch.Tensor, torch.dtype]:
+        x = x.contiguous()
+        compute, result = elementwise_dtypes(x, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+        x = x.to(compute)
+        return x - stop(_decomps._softmax_unbacked_safe_amax(x, dim)), compute if half_to_float else result
+
+    def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        sh, dtype = shifted(x, dim, half_to_float)
+        e = torch.exp(sh)
+        return (e / torch.sum(e, dim, keepdim=True)).to(dtype)
+
+    def log_softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
+        sh, dtype = shifted(x, dim, half_to_float)
+        return (sh - torch.log(torch.sum(torch.exp(sh), dim, keepdim=True))).to(dtype)
+
+    return softmax, log_softmax
 
 
 def _index_fill(x: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
@@ -139,6 +168,28 @@ def _copy(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> tor
     """Functional ``copy`` (what ``x[..., :d].copy_(y)`` and ``x[:, i] = y`` export to): ``src`` cast to
     ``x``'s dtype and broadcast to ``x``'s shape. autograd has no derivative for ``aten.copy``."""
     return src.to(dtype=x.dtype, device=x.device).expand(x.shape).clone()
+
+
+# The training graph differentiates the decomposed forward. A ``where`` whose unselected branch is
+# infinite there (softmax of a row of -inf, log1p(-1)) turns its zero gradient into 0 * inf = NaN, where
+# eager's own derivative is finite: these decompositions feed each branch only inputs where it is finite.
+
+def _safe_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Softmax along ``dim`` with rows that are all -inf giving 0 (and a 0 gradient, as eager)."""
+    empty = (x == float("-inf")).all(dim, keepdim=True)
+    out = torch.softmax(x.masked_fill(empty, 0), dim, dtype=dtype)
+    return out.masked_fill(empty, 0)
+
+
+def _log_ndtr(a: torch.Tensor) -> torch.Tensor:
+    """``log(ndtr(a))`` by torch's two formulas (``a < 1``: via erfcx; else via log1p), each fed only the
+    inputs it is selected for (elsewhere a harmless 0 or 1)."""
+    a = a if a.is_floating_point() else a.to(torch.get_default_dtype())
+    low = a < 1
+    t_low = torch.where(low, a, 0) * math.sqrt(0.5)
+    t_high = torch.where(low, 1, a) * math.sqrt(0.5)
+    return torch.where(low, torch.log(torch.special.erfcx(-t_low) / 2) - t_low * t_low,
+                       torch.log1p(-torch.erfc(t_high) / 2))
 
 
 def joint_decomposition_table() -> dict:
@@ -277,6 +328,23 @@ def quiet_unless_ok() -> Iterator[None]:
         logging.getLogger(record.name).handle(record)
 
 
+def _distinct(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """Example inputs where no tensor object appears twice: export traces one tensor passed twice as one
+    input (the program then reads the last of those arguments in place of both), while the sharded
+    module takes them as separate arguments."""
+    seen: set[int] = set()
+
+    def once(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) in seen:
+            return x.detach().clone().requires_grad_(x.requires_grad)
+        seen.add(id(x))
+        return x
+
+    return pytree.tree_map(once, args), pytree.tree_map(once, kwargs)
+
+
 def _on_device(args: Any, kwargs: Any, device: torch.device) -> tuple[Any, Any]:
     """Example inputs on ``device``: real tensors are moved (meta ones to a meta model), meta tensors for a
     real model become fake tensors on the model's device (export traces them; nothing is allocated)."""
@@ -346,6 +414,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     if not isinstance(model, torch.nn.Module):
         raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
     tensors = list(model.parameters()) + list(model.buffers())
+    args, kwargs = _distinct(args, kwargs)
     args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
     try:
         with quiet_unless_ok():
@@ -353,7 +422,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
                 ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                          strict=False)
             _mark_stop_gradients(ep.graph_module)
-            ep = ep.run_decompositions(decomposition_table())
+            ep = ep.run_decompositions(decomposition_table(lambda t: _STOP(t)))
     except ShardingError:
         raise
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error

@@ -1,0 +1,529 @@
+"""Pass 3b, solve: the global planner. One MILP chooses every op's strategy for the whole graph.
+
+Requires: a propagated graph (``META_KEY``, ``IN_KEY``, ``STRATEGY_KEY`` from the greedy sweep, which
+seeds the candidates, prices the other mesh axes and breaks ties) and ``ctx.planner``. Does nothing
+unless ``ctx.planner == "global"``.
+Ensures: the same meta, now holding the strategies that minimise the priced redistribution cost of
+the whole graph plus the compute its contractions repeat, a layout change several consumers need
+priced once (as the redistribute pass emits it). Seeds (parameters, inputs), constraints
+(``fxshard.constrain``, ParallelStyle boundaries) and required outputs are fixed: data of the
+problem, never variables. Among plans of equal cost the greedy one is kept.
+
+The formulation (docs/solver_design.md): per node and mesh axis, a binary per strategy its rule
+admits, exactly one chosen; pairs of per-axis strategies that split a dim illegally together
+exclude each other. Per value, axis and consumer, the producer's output placement ``q`` and the
+consumer's required placement ``p`` are coupled by ``e[q, p]`` with both marginals (the local
+polytope, tight on chains and trees); ``z[q, p] >= e[q, p]`` over all consumers of the value pays
+``price(q -> p)`` once. HiGHS solves it through ``scipy.optimize.milp``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import operator
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from ..consistency import check_same_on_all_ranks
+from ..constrain import CONSTRAIN_OP
+from ..context import ShardContext
+from ..cost import transition_cost
+from ..errors import ShardingError
+from ..placements import Part, Pl, R, S
+from ..registry import OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
+from ..rules.matmul import ADD_EINSUMS, EINSUMS
+from ..spec import META_KEY, Spec
+from ..ir import FALLBACK_KEY, IN_KEY, STRATEGY_KEY
+from .propagate import out_specs, strategy_valid
+
+__all__ = ["solve", "price", "build_problem", "solve_problem", "Problem", "PLANNERS"]
+
+PLANNERS = ("greedy", "global")
+LOG = logging.getLogger("fxshard.solve")
+Layout = tuple[Pl, ...]  # one placement per mesh axis
+ValueKey = tuple[str, int]  # (producing node's name, output index; 0 for single-output nodes)
+UNIT = float(2 ** 20)  # objective in MiB-equivalents: keeps HiGHS's tolerances meaningful
+TIE = 1.0 / UNIT  # one byte-equivalent off per greedy choice: equal-cost plans keep it, no real saving is lost
+MIN_COST = 1e-6  # a priced step costs at least ~1 byte-equivalent (HiGHS ignores smaller costs)
+FLOPS_PER_BYTE = 1000.0  # compute priced against communication: flops a device does while its link moves a byte
+MAX_ROUNDS = 20  # re-solves that exclude a combination of per-axis choices found illegal (3+ axes)
+
+
+def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...]) -> float:
+    """Cost of redistributing a tensor of ``nbytes`` global bytes from layout ``src`` to ``dst`` on a mesh
+    of ``sizes``: the solver's only pricing call (swap it for the engine's transition planner).
+
+    Axes change innermost first, as the collectives are emitted; each step is priced by
+    ``cost.transition_cost`` on the bytes the tensor has on that axis (divided by the other axes' splits).
+    """
+    if src == dst:
+        return 0.0
+    cur = list(src)
+    cost = 0.0
+    for a in reversed(range(len(cur))):
+        if cur[a] == dst[a] or sizes[a] == 1:
+            continue
+        others = 1
+        for b, p in enumerate(cur):
+            if b != a and isinstance(p, S):
+                others *= sizes[b]
+        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a])
+        cur[a] = dst[a]
+    return cost
+
+
+def _nbytes(val: torch.Tensor) -> float:
+    """Bytes of ``val``, symbolic sizes counted by their hint (64 without one), as propagate does."""
+    n = 1
+    for s in val.shape:
+        n *= optimization_hint(s, fallback=64)
+    return float(n * val.dtype.itemsize)
+
+
+@dataclass(frozen=True)
+class AxisChoice:
+    """One strategy of a node on one mesh axis: the placement each tensor input needs there, the
+    placement of each output (None for non-tensor outputs), the rule's Strategy (None for constraints)."""
+
+    inputs: tuple[Pl, ...]
+    outputs: tuple[Optional[Pl], ...]
+    strategy: Optional[Strategy] = None
+
+
+@dataclass
+class NodeVars:
+    """A decision node: its choices per axis, the greedy pick, pairs that split illegally together."""
+
+    axes: list[list[AxisChoice]]
+    greedy: tuple[int, ...]
+    inputs: list[ValueKey]
+    flops: float = 0.0
+    invalid: list[tuple[int, int, int, int]] = field(default_factory=list)  # (axis a, choice i, axis b, choice j)
+
+
+@dataclass
+class Problem:
+    """The planning problem of one graph, as plain data (no fx nodes)."""
+
+    sizes: tuple[int, ...]
+    nodes: dict[str, NodeVars] = field(default_factory=dict)
+    fixed: dict[ValueKey, Layout] = field(default_factory=dict)  # values whose layout no choice changes
+    greedy: dict[ValueKey, Layout] = field(default_factory=dict)  # every value's greedy layout
+    nbytes: dict[ValueKey, float] = field(default_factory=dict)
+    required: list[tuple[ValueKey, Layout]] = field(default_factory=list)  # fixed demands (graph outputs)
+
+    def outputs_of(self, u: ValueKey, a: int) -> dict[Pl, list[int]]:
+        """The placements value ``u`` may take on axis ``a``, each with the producer's choices giving it."""
+        if u in self.fixed:
+            return {self.fixed[u][a]: []}
+        out: dict[Pl, list[int]] = {}
+        for i, c in enumerate(self.nodes[u[0]].axes[a]):
+            if c.outputs[u[1]] is not None:
+                out.setdefault(c.outputs[u[1]], []).append(i)
+        return out
+
+
+def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+    if ctx.planner != "global":
+        return gm
+    problem = build_problem(gm, ctx)
+    picks = solve_problem(problem, _legality(gm, problem))
+    check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()})
+    apply(gm, ctx, problem, picks)
+    return gm
+
+
+# ----------------------------------------------------------------------------------------- problem
+
+
+def _value_of(x: fx.Node) -> ValueKey:
+    if x.op == "call_function" and x.target is operator.getitem and isinstance(x.args[0], fx.Node) \
+            and isinstance(x.args[0].meta.get(META_KEY), tuple):
+        return (x.args[0].name, x.args[1])
+    return (x.name, 0)
+
+
+def _axis_choices(node: fx.Node, problem: Problem, a: int) -> list[AxisChoice]:
+    """The rule's strategies on axis ``a`` for the input placements the greedy sweep saw and for every
+    placement each input's producer may give (rules offer strided splits only to strided inputs),
+    pruned by :func:`_worth`; the greedy strategy first."""
+    ins = tensor_inputs(node)
+    in_specs = [x.meta[META_KEY] for x in ins]
+    offered = [list(problem.outputs_of(_value_of(x), a)) for x in ins]
+    base = [s.placements[a] for s in in_specs]
+    variants = [base] + [base[:i] + [q] + base[i + 1:] for i, qs in enumerate(offered) for q in qs if q != base[i]]
+    rule = None if node.meta.get(FALLBACK_KEY) else lookup(node.target)
+    greedy = node.meta[STRATEGY_KEY][a]
+    found: dict[tuple, Strategy] = {(greedy.inputs, greedy.output): greedy}
+    for pls in variants:
+        call = OpCall(node, [s.shape for s in in_specs], pls, out_shape_of(node), [s.dtype for s in in_specs])
+        try:
+            cands = rule(call, problem.sizes[a]) if rule is not None else [replicate_all(call)]
+        except ShardingError:  # a rule refusing a layout the greedy sweep never gave it
+            continue
+        for st in cands:
+            found.setdefault((st.inputs, st.output), st)
+    n_out = len(node.meta[META_KEY]) if isinstance(node.meta[META_KEY], tuple) else 1
+    return [AxisChoice(st.inputs, _outputs(st, n_out, node), st) for st in found.values()
+            if st is greedy or _worth(st, offered)]
+
+
+def _outputs(st: Strategy, n_out: int, node: fx.Node) -> tuple[Optional[Pl], ...]:
+    spec = node.meta[META_KEY]
+    if not isinstance(spec, tuple):
+        return (st.output,)
+    return tuple(None if spec[j] is None else (st.output[j] if isinstance(st.output, tuple) else st.output) or R
+                 for j in range(n_out))
+
+
+def _worth(st: Strategy, offered: list[list[Pl]]) -> bool:
+    """Whether a strategy is worth a variable. One that needs an input ``Partial`` its producer can
+    never give is dominated by the replicated strategy (making a replicated value partial only defers a
+    reduction), unless another input arrives partial from its producer (``add(P, R)`` zero-fills the
+    replicated term). A split or replicated need is always reachable (gather, or slice a replicated
+    value)."""
+    partial_fed = any(isinstance(p, Part) and p in qs for p, qs in zip(st.inputs, offered))
+    return all(not isinstance(p, Part) or p in qs or (partial_fed and p == Part("sum"))
+               for p, qs in zip(st.inputs, offered))
+
+
+def _filler(st: Strategy) -> Strategy:
+    """The all-replicated strategy shaped like ``st`` (stands for the axes a legality check leaves out)."""
+    out = tuple(None if o is None else R for o in st.output) if isinstance(st.output, tuple) else R
+    return Strategy(tuple(R for _ in st.inputs), out)
+
+
+def _legal(node: fx.Node, by_axis: dict[int, Strategy], sizes: tuple[int, ...]) -> bool:
+    """Whether the per-axis strategies ``by_axis`` (other axes replicated) split every tensor legally."""
+    in_specs = [x.meta[META_KEY] for x in tensor_inputs(node)]
+    filler = _filler(next(iter(by_axis.values())))
+    combo = [by_axis.get(a, filler) for a in range(len(sizes))]
+    return strategy_valid(combo[-1], combo[:-1], in_specs, out_shape_of(node), sizes, len(sizes),
+                          allows_uneven(node.target))
+
+
+def _constrain_choices(node: fx.Node, problem: Problem, ctx: ShardContext, a: int) -> list[AxisChoice]:
+    """A constraint pins some axes; on the others it follows its input, whatever placement that gets."""
+    pinned = ctx.constraints[node.args[1]][a]
+    greedy = node.meta[IN_KEY][0][a]
+    opts = [pinned] if pinned is not None else list(dict.fromkeys(
+        [greedy] + list(problem.outputs_of(_value_of(node.args[0]), a))))
+    return [AxisChoice((p,), (p,)) for p in opts]
+
+
+def _flops(node: fx.Node) -> float:
+    """Floating-point work of a contraction on global shapes (2 x the product of its einsum's index
+    sizes); 0 for other ops, whose work is small next to the bytes a plan would move to split it."""
+    eq = EINSUMS.get(node.target) or ADD_EINSUMS.get(node.target)
+    if eq is None:
+        return 0.0
+    terms = eq.split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for term, x in zip(terms, tensor_inputs(node)[-len(terms):]):
+        sizes.update(zip(term, (optimization_hint(d, fallback=64) for d in x.meta["val"].shape)))
+    work = 2.0
+    for v in sizes.values():
+        work *= v
+    return work
+
+
+def build_problem(gm: fx.GraphModule, ctx: ShardContext) -> Problem:
+    """Candidates for every node of a propagated graph, in graph order."""
+    problem = Problem(tuple(ctx.mesh.sizes))
+    k = len(problem.sizes)
+    for node in gm.graph.nodes:
+        spec = node.meta.get(META_KEY)
+        if node.op == "output":
+            req = node.meta.get(IN_KEY) or []
+            leaves = [x for x in output_leaves(node)
+                      if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+            for j, (leaf, want) in enumerate(zip(leaves, req)):
+                if j < len(ctx.out_required) and ctx.out_required[j] is not None:
+                    problem.required.append((_value_of(leaf), tuple(want)))
+            continue
+        if spec is None or (node.op == "call_function" and node.target is operator.getitem
+                            and isinstance(node.args[0].meta.get(META_KEY), tuple)):
+            continue
+        specs = spec if isinstance(spec, tuple) else (spec,)
+        for j, sp in enumerate(specs):
+            if isinstance(sp, Spec):
+                problem.greedy[(node.name, j)] = sp.placements
+                problem.nbytes[(node.name, j)] = _nbytes(node.meta["val"] if not isinstance(spec, tuple)
+                                                         else node.meta["val"][j])
+        if node.op == "call_function" and node.target is CONSTRAIN_OP:
+            axes = [_constrain_choices(node, problem, ctx, a) for a in range(k)]
+            problem.nodes[node.name] = NodeVars(axes, (0,) * k, [_value_of(node.args[0])])
+        elif node.op == "call_function" and STRATEGY_KEY in node.meta:
+            axes = [_axis_choices(node, problem, a) for a in range(k)]
+            nv = NodeVars(axes, (0,) * k, [_value_of(x) for x in tensor_inputs(node)], _flops(node))
+            for a in range(k):
+                for b in range(a + 1, k):
+                    nv.invalid.extend((a, i, b, j) for i, ca in enumerate(axes[a]) for j, cb in enumerate(axes[b])
+                                      if not _legal(node, {a: ca.strategy, b: cb.strategy}, problem.sizes))
+            problem.nodes[node.name] = nv
+        elif isinstance(spec, Spec):
+            problem.fixed[(node.name, 0)] = spec.placements
+    return problem
+
+
+def _legality(gm: fx.GraphModule, problem: Problem):
+    """``picks -> [illegal node names]``: the full N-D check pairwise exclusions cannot make on 3+ axes."""
+    nodes = {n.name: n for n in gm.graph.nodes}
+    k = len(problem.sizes)
+
+    def check(picks: dict[str, tuple[int, ...]]) -> list[str]:
+        if k < 3:
+            return []
+        bad = []
+        for name, idx in picks.items():
+            nv = problem.nodes[name]
+            if nv.axes[0][idx[0]].strategy is None:
+                continue
+            if not _legal(nodes[name], {a: nv.axes[a][i].strategy for a, i in enumerate(idx)}, problem.sizes):
+                bad.append(name)
+        return bad
+
+    return check
+
+
+# ----------------------------------------------------------------------------------------- MILP
+
+
+@dataclass
+class _Model:
+    cost: list[float] = field(default_factory=list)
+    integer: list[int] = field(default_factory=list)
+    lb: list[float] = field(default_factory=list)
+    ub: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    cols: list[int] = field(default_factory=list)
+    coef: list[float] = field(default_factory=list)
+    row_lb: list[float] = field(default_factory=list)
+    row_ub: list[float] = field(default_factory=list)
+
+    def var(self, cost: float, integer: bool, lb: float = 0.0, ub: float = 1.0) -> int:
+        self.cost.append(cost)
+        self.integer.append(int(integer))
+        self.lb.append(lb)
+        self.ub.append(ub)
+        return len(self.cost) - 1
+
+    def row(self, terms: list[tuple[int, float]], lo: float, hi: float) -> None:
+        r = len(self.row_lb)
+        for c, v in terms:
+            self.rows.append(r)
+            self.cols.append(c)
+            self.coef.append(v)
+        self.row_lb.append(lo)
+        self.row_ub.append(hi)
+
+
+def _axis_price(problem: Problem, u: ValueKey, a: int, q: Pl, p: Pl, context: dict[ValueKey, Layout]) -> float:
+    """``price`` of changing value ``u``'s placement on axis ``a`` alone, its other axes as in ``context``."""
+    lay = context[u]
+    return price(lay[:a] + (q,) + lay[a + 1:], lay[:a] + (p,) + lay[a + 1:], problem.nbytes[u], problem.sizes) / UNIT
+
+
+def compute_cost(problem: Problem, nv: NodeVars, a: int, c: AxisChoice, picked: tuple[int, ...]) -> float:
+    """The contraction work this rank does, in the objective's unit: the op's flops divided by each mesh
+    axis on which the choice (``c`` on axis ``a``, ``picked`` on the others) splits an input or output.
+    Without it, replicating a matmul (gathering its inputs) would look cheaper than Megatron's all-reduce."""
+    if not nv.flops or c.strategy is None:
+        return 0.0
+    work = nv.flops
+    for b, n in enumerate(problem.sizes):
+        cb = c if b == a else nv.axes[b][picked[b]]
+        if any(isinstance(p, S) for p in cb.inputs + cb.outputs):
+            work /= n
+    return work / FLOPS_PER_BYTE / UNIT
+
+
+def plan_cost(problem: Problem, picks: dict[str, tuple[int, ...]]) -> float:
+    """The exact objective of a plan: every distinct layout change of every value priced once on all
+    axes together (``price``), plus the contractions' compute."""
+    out = layouts(problem, picks)
+    needs: dict[ValueKey, set] = {}
+    total = 0.0
+    for name, nv in problem.nodes.items():
+        chosen = [nv.axes[a][i] for a, i in enumerate(picks[name])]
+        total += compute_cost(problem, nv, 0, chosen[0], picks[name])
+        for slot, u in enumerate(nv.inputs):
+            needs.setdefault(u, set()).add(tuple(c.inputs[slot] for c in chosen))
+    for u, lay in problem.required:
+        needs.setdefault(u, set()).add(lay)
+    for u, lays in needs.items():
+        total += sum(price(out[u], p, problem.nbytes[u], problem.sizes) for p in lays) / UNIT
+    return total
+
+
+def layouts(problem: Problem, picks: dict[str, tuple[int, ...]]) -> dict[ValueKey, Layout]:
+    """Every value's layout under ``picks``."""
+    lay = dict(problem.greedy)
+    lay.update(problem.fixed)
+    for name, nv in problem.nodes.items():
+        chosen = [nv.axes[a][i] for a, i in enumerate(picks[name])]
+        for j in range(len(chosen[0].outputs)):
+            if chosen[0].outputs[j] is not None:
+                lay[(name, j)] = tuple(c.outputs[j] for c in chosen)
+    return lay
+
+
+def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[str, tuple[int, ...]]
+               ) -> tuple[_Model, dict[str, list[list[int]]]]:
+    """Variables, objective and rows (module doc); the other axes of a value are priced as ``context``
+    lays it out, those of a contraction's compute as ``picks`` chose."""
+    m = _Model()
+    k = len(problem.sizes)
+    x: dict[str, list[list[int]]] = {}
+    for name, nv in problem.nodes.items():
+        x[name] = [[m.var(compute_cost(problem, nv, a, c, picks[name]), True) for c in nv.axes[a]] for a in range(k)]
+        for a in range(k):
+            m.row([(i, 1.0) for i in x[name][a]], 1.0, 1.0)
+            m.cost[x[name][a][nv.greedy[a]]] -= TIE
+        for a, i, b, j in nv.invalid:
+            m.row([(x[name][a][i], 1.0), (x[name][b][j], 1.0)], 0.0, 1.0)
+    # per value and axis, its consumers: the x columns needing each placement ([] = needed unconditionally)
+    consumers: dict[tuple[ValueKey, int], list[dict[Pl, list[int]]]] = {}
+    for name, nv in problem.nodes.items():
+        for slot, u in enumerate(nv.inputs):
+            for a in range(k):
+                by_pl: dict[Pl, list[int]] = {}
+                for i, c in enumerate(nv.axes[a]):
+                    by_pl.setdefault(c.inputs[slot], []).append(x[name][a][i])
+                consumers.setdefault((u, a), []).append(by_pl)
+    for u, lay in problem.required:
+        for a in range(k):
+            consumers.setdefault((u, a), []).append({lay[a]: []})
+    for (u, a), slots in consumers.items():
+        outs = {q: [x[u[0]][a][i] for i in idx] for q, idx in problem.outputs_of(u, a).items()}
+        z: dict[tuple[Pl, Pl], int] = {}
+
+        def paid(q: Pl, p: Pl) -> Optional[int]:
+            """The variable paying for ``q -> p`` once for all consumers (None when free)."""
+            if (q, p) not in z:
+                cost = _axis_price(problem, u, a, q, p, context)
+                z[(q, p)] = m.var(max(cost, MIN_COST), False) if cost > 0 else -1
+            return None if z[(q, p)] < 0 else z[(q, p)]
+
+        for by_pl in slots:
+            if len(outs) == 1 or len(by_pl) == 1:  # one side is fixed: z >= the other side's indicator
+                for q, ycols in outs.items():
+                    for p, wcols in by_pl.items():
+                        v = paid(q, p)
+                        if v is None:
+                            continue
+                        side = wcols if len(outs) == 1 else ycols
+                        if side:
+                            m.row([(v, 1.0)] + [(c, -1.0) for c in side], 0.0, 1.0)
+                        else:
+                            m.lb[v] = 1.0
+                continue
+            e = {(q, p): m.var(0.0, False) for q in outs for p in by_pl}
+            for q, ycols in outs.items():
+                m.row([(e[(q, p)], 1.0) for p in by_pl] + [(c, -1.0) for c in ycols], 0.0, 0.0)
+            for p, wcols in by_pl.items():
+                m.row([(e[(q, p)], 1.0) for q in outs] + [(c, -1.0) for c in wcols], 0.0, 0.0)
+            for (q, p), ev in e.items():
+                v = paid(q, p)
+                if v is not None:
+                    m.row([(v, 1.0), (ev, -1.0)], 0.0, 1.0)
+    return m, x
+
+
+def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3) -> dict[str, tuple[int, ...]]:
+    """The chosen choice index per decision node and axis.
+
+    Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
+    out (the greedy one first); the next round prices with the new plan's layouts. Every plan is
+    scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned.
+    ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
+    each such combination is excluded and the MILP solved again. Logs the problem's size and the
+    solve time on the ``fxshard.solve`` logger (INFO).
+    """
+    try:
+        import numpy as np
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_array
+    except ImportError as e:
+        raise ShardingError(f"planner='global' solves a MILP with HiGHS through scipy, which is not installed "
+                            f"({e}); pip install 'scipy>=1.11' (or fxshard[solve]), or use planner='greedy'") from e
+    t0 = time.perf_counter()
+    best = {name: nv.greedy for name, nv in problem.nodes.items()}
+    best_cost = greedy_cost = plan_cost(problem, best)
+    prev, tried = best, 0
+    for _ in range(rounds if len(problem.sizes) > 1 else 1):
+        m, x = _formulate(problem, layouts(problem, prev), prev)
+        for _ in range(MAX_ROUNDS):
+            a = csr_array((m.coef, (m.rows, m.cols)), shape=(len(m.row_lb), len(m.cost)))
+            res = milp(np.array(m.cost), integrality=np.array(m.integer),
+                       bounds=Bounds(np.array(m.lb), np.array(m.ub)),
+                       constraints=LinearConstraint(a, np.array(m.row_lb), np.array(m.row_ub)),
+                       options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": 1e-6})
+            if res.x is None or not res.success:
+                raise ShardingError(f"internal: the global planner's MILP found no plan ({res.message}); "
+                                    f"use planner='greedy' and please report this model")
+            picks = {name: tuple(int(np.argmax([res.x[i] for i in cols])) for cols in per_axis)
+                     for name, per_axis in x.items()}
+            bad = illegal(picks)
+            if not bad:
+                break
+            for name in bad:  # exclude this combination of per-axis picks
+                m.row([(x[name][a][i], 1.0) for a, i in enumerate(picks[name])], 0.0, len(picks[name]) - 1.0)
+        else:
+            raise ShardingError(f"internal: the global planner found no legal plan in {MAX_ROUNDS} rounds; "
+                                f"use planner='greedy' and please report this model")
+        tried += 1
+        cost = plan_cost(problem, picks)
+        if cost < best_cost:
+            best, best_cost = picks, cost
+        if picks == prev:
+            break
+        prev = picks
+    stats = {"nodes": len(x), "binaries": sum(m.integer), "variables": len(m.cost), "rows": len(m.row_lb),
+             "rounds": tried, "seconds": time.perf_counter() - t0, "cost": best_cost * UNIT,
+             "greedy_cost": greedy_cost * UNIT}
+    LOG.info("global plan: %(nodes)d nodes, %(binaries)d binaries, %(variables)d variables, %(rows)d rows; "
+             "%(rounds)d MILP(s) in %(seconds).2f s; cost %(cost).4g (greedy %(greedy_cost).4g)", stats,
+             extra={"fxshard_solve": stats})
+    return best
+
+
+# ----------------------------------------------------------------------------------------- apply
+
+
+def apply(gm: fx.GraphModule, ctx: ShardContext, problem: Problem, picks: dict[str, tuple[int, ...]]) -> None:
+    """Write the chosen strategies into the node meta propagate defines, in graph order."""
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            req = list(node.meta.get(IN_KEY) or [])
+            leaves = [x for x in output_leaves(node)
+                      if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+            for j, leaf in enumerate(leaves[:len(req)]):
+                if j >= len(ctx.out_required) or ctx.out_required[j] is None:
+                    req[j] = leaf.meta[META_KEY].placements
+            node.meta[IN_KEY] = req
+            continue
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem and isinstance(node.args[0].meta.get(META_KEY), tuple):
+            node.meta[META_KEY] = node.args[0].meta[META_KEY][node.args[1]]
+            continue
+        if node.name not in picks:
+            continue
+        chosen = [problem.nodes[node.name].axes[a][i] for a, i in enumerate(picks[node.name])]
+        if node.target is CONSTRAIN_OP:
+            lay = tuple(c.inputs[0] for c in chosen)
+            node.meta[IN_KEY] = [lay]
+            node.meta[META_KEY] = node.meta[META_KEY].with_placements(lay)
+            continue
+        strategies = [c.strategy for c in chosen]
+        node.meta[STRATEGY_KEY] = tuple(strategies)
+        node.meta[IN_KEY] = [tuple(st.inputs[i] for st in strategies) for i in range(len(strategies[0].inputs))]
+        node.meta[META_KEY] = out_specs(node, strategies, out_shape_of(node))

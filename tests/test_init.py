@@ -1,0 +1,138 @@
+"""``init_parameters`` on a meta-built model (2 gloo ranks, one pooled call).
+
+* tiled (default): the sharded model's full state dict equals ``fxshard.tiled_init`` of the unsharded model
+  (1 process vs 2 ranks: the values do not depend on the mesh), and so do its loss and gradients; tiles
+  cross shard boundaries (vocab 600 vs 512-row tiles);
+* tiled memory: a 512 MiB parameter initializes with peak RSS growth far below its size (one tile at a
+  time; the former behaviour built the full tensor on every rank);
+* exact: a per-tensor seeded init reproduces the unsharded init bit for bit;
+* an init the tiles cannot replay raises a ShardingError; a tensor init does not write stays unfilled.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn as nn
+
+import fxshard
+from fxshard import ColwiseParallel, RowwiseParallel, ShardingError
+from fxshard.checkpoint import Piece
+from fxshard.tiled_init import fill
+from tests import models
+from tests.dist_utils import run_ranks
+from tests.test_training import llama_megatron_plan
+
+TOL = 1e-5
+LLAMA = dict(vocab=600, dim=64, n_heads=8, n_kv_heads=4, n_layers=2, hidden=128, max_seq=16)
+ROPE = {k: v for k, v in models.LlamaDecoder(**LLAMA).named_buffers() if k.startswith("rope")}
+
+
+def _init(name: str, t: torch.Tensor) -> None:
+    if name in ROPE:
+        t.copy_(ROPE[name])  # from a full tensor: each tile copies its part
+    elif t.dim() >= 2:
+        nn.init.trunc_normal_(t, std=0.02)  # rejection sampling: runs per tile
+    else:
+        nn.init.ones_(t)
+
+
+def _seeded_init(name: str, t: torch.Tensor) -> None:
+    g = torch.Generator().manual_seed(sum(ord(c) * (i + 1) for i, c in enumerate(name)))
+    with torch.no_grad():
+        t.copy_(torch.randn(t.shape, generator=g) * 0.02)
+
+
+def _meta_llama(mesh):
+    with torch.device("meta"):
+        model = models.LlamaDecoder(**LLAMA)
+    batch = (models.make_tokens(2, 16, 600, seed=0), models.make_tokens(2, 16, 600, seed=1))
+    return fxshard.shard(model, mesh, llama_megatron_plan(2), example_inputs=batch), batch
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _big(rank: int, mesh) -> dict:
+    """A 512 MiB weight, column-split: RSS high-water growth during init_parameters, and a few rows checked."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8192, 16384, bias=False))
+    sm = fxshard.shard(model, mesh, {"0": ColwiseParallel()}, example_inputs=(torch.randn(2, 8192),))
+    init = lambda name, t: nn.init.normal_(t, std=0.02)  # noqa: E731
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM (the peak RSS) to the current RSS
+        f.write("5")
+    start = time.perf_counter()
+    sm.init_parameters(init, seed=3)
+    seconds = time.perf_counter() - start
+    growth = _status("VmHWM") - before
+    rows = torch.empty(3, 8192)
+    lo = rank * 8192
+    fill(rows, "0.weight", (16384, 8192), init, [Piece((slice(lo, lo + 3), slice(0, 8192)),
+                                                       (slice(0, 3), slice(0, 8192)))], 3)
+    return {"growth": growth, "full_bytes": 16384 * 8192 * 4, "rows_equal": torch.equal(sm.get_parameter("0.weight")[:3], rows),
+            "std": sm.get_parameter("0.weight")[:64].std().item(), "seconds": seconds}
+
+
+def _grads(m) -> dict:
+    return {n: p.grad for n, p in m.named_parameters()}
+
+
+def _inits(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    out = {}
+    sm, batch = _meta_llama(mesh)
+    sm.init_parameters(_init, seed=7)
+    ref = models.LlamaDecoder(**LLAMA)
+    fxshard.tiled_init(ref, _init, seed=7)
+    want = {**dict(ref.named_parameters()), **dict(ref.named_buffers())}  # the rope buffers are not persistent
+    full = {n: sm._dtensor(n, t).full_tensor() for n, t in [*sm.named_parameters(), *sm.named_buffers()]}
+    out["tiled_state"] = max((full[k] - want[k]).abs().max().item() for k in want)
+    out["rope_copied"] = all(torch.equal(full[k], v) for k, v in ROPE.items())
+    out["tiled_std"] = want["tok_embeddings.weight"].std().item()
+    loss, ref_loss = sm(*batch), ref(*batch)
+    loss.backward()
+    ref_loss.backward()
+    grads = {n: sm._dtensor(n, p.grad).full_tensor() for n, p in sm.named_parameters()}
+    out["tiled_loss"] = abs(loss.item() - ref_loss.item())
+    out["tiled_grads"] = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+
+    sm, batch = _meta_llama(mesh)
+    try:
+        sm.init_parameters(_seeded_init)  # draws a full-size tensor: not tileable
+        out["refused"] = ""
+    except ShardingError as e:
+        out["refused"] = str(e)
+    sm.init_parameters(lambda n, t: None if n in ROPE else _init(n, t))
+    try:
+        sm(*batch)
+        out["unfilled"] = ""
+    except ShardingError as e:
+        out["unfilled"] = str(e)
+    sm.init_parameters(_seeded_init, exact=True)
+    ref = models.LlamaDecoder(**LLAMA)
+    for name, t in ref.state_dict().items():
+        _seeded_init(name, t)
+    full = sm.full_state_dict()
+    out["exact_state"] = max((full[k] - ref.state_dict()[k]).abs().max().item() for k in full)
+    out["exact_loss"] = abs(sm(*batch).item() - ref(*batch).item())
+
+    out["big"] = _big(rank, mesh)
+    return out
+
+
+def test_init_parameters_tiled_and_exact():
+    for res in run_ranks(_inits, 2, timeout=300):
+        assert res["tiled_state"] == 0.0 and res["rope_copied"] and 0.015 < res["tiled_std"] < 0.025, res
+        assert res["tiled_loss"] <= TOL and res["tiled_grads"] <= TOL, res
+        assert "draws random numbers with aten.randn" in res["refused"], res
+        assert "exact=True" in res["refused"], res
+        assert "rope_cos" in res["unfilled"] and "tok_embeddings" not in res["unfilled"], res
+        assert res["exact_state"] == 0.0 and res["exact_loss"] <= TOL, res
+        big = res["big"]
+        assert big["rows_equal"] and 0.015 < big["std"] < 0.025, big
+        # the shard (half of 512 MiB) exists before; init adds about one 1 MiB tile, never a full tensor
+        assert big["growth"] < big["full_bytes"] / 16, big

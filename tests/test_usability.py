@@ -1,0 +1,54 @@
+"""Small things users notice: shard() progress on a terminal (quiet otherwise), and every ``fxshard.*``
+name the README documents exists after ``import fxshard`` (fake process group, no ranks)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+
+import torch
+
+import fxshard
+from fxshard import ColwiseParallel, RowwiseParallel
+from tests import models
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def _shard(mesh, **kw):
+    fxshard.shard(models.ToyModel(16, 32), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                  example_inputs=(torch.randn(4, 16),), **kw)
+
+
+def test_shard_reports_progress_on_a_terminal_only(mesh2, monkeypatch, capsys):
+    _shard(mesh2)
+    assert capsys.readouterr().err == ""  # not a terminal (tests, logs): quiet
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    _shard(mesh2)
+    err = capsys.readouterr().err
+    assert re.search(r"fxshard \[ *\d+\.\ds\] tracing the forward", err), err
+    _shard(mesh2, progress=False)
+    assert capsys.readouterr().err == ""
+    said = []
+    _shard(mesh2, progress=said.append)
+    assert "allocating local shards" in said and capsys.readouterr().err == ""
+
+
+def test_every_name_the_readme_documents_exists():
+    with open(README) as f:
+        names = sorted(set(re.findall(r"\bfxshard(?:\.[A-Za-z_]\w*)+", f.read())))
+    assert "fxshard.compile.overlap" in names and "fxshard.tiled_init" in names
+    missing = []
+    for name in names:
+        obj = fxshard
+        try:
+            for part in name.split(".")[1:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            try:  # a module run as `python -m fxshard.x.y`
+                importlib.import_module(name)
+            except ImportError:
+                missing.append(name)
+    assert not missing, missing
