@@ -395,7 +395,7 @@ def summarize(colls: list[dict], sizes: dict[str, int], bw: dict[str, float], al
 
 
 class _SolveLog(logging.Handler):
-    """Collects the ``fxshard.solve`` records (problem size and solve time of each global plan)."""
+    """Collects the ``fxshard.passes.solve`` records (problem size and solve time of each global plan)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -420,7 +420,7 @@ def shard_once(model: str, cfg: dict, n_layers: int, batch: int, seq: int, impl:
     shape, names = ((d, t), ("dp", "tp")) if d > 1 else ((t,), ("tp",))
     marks: list[tuple[str, float]] = []
     log = _SolveLog()
-    logger = logging.getLogger("fxshard.solve")
+    logger = logging.getLogger("fxshard.passes.solve")
     logger.addHandler(log)
     logger.setLevel(logging.INFO)
     with fake_world(d * t, shape=shape, names=names) as mesh:

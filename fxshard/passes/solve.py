@@ -46,7 +46,7 @@ from .propagate import out_specs, strategy_valid
 __all__ = ["solve", "price", "build_problem", "solve_problem", "Problem", "PLANNERS"]
 
 PLANNERS = ("greedy", "global")
-LOG = logging.getLogger("fxshard.solve")
+LOG = logging.getLogger("fxshard.passes.solve")
 Layout = tuple[Pl, ...]  # one placement per mesh axis
 ValueKey = tuple[str, int]  # (producing node's name, output index; 0 for single-output nodes)
 UNIT = float(2 ** 20)  # objective in MiB-equivalents: keeps HiGHS's tolerances meaningful
@@ -445,7 +445,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3) -
     scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned.
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
-    solve time on the ``fxshard.solve`` logger (INFO).
+    solve time on the ``fxshard.passes.solve`` logger (INFO).
     """
     try:
         import numpy as np
