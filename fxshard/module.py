@@ -148,6 +148,11 @@ def _arg_name(args: tuple, kwargs: dict, pos: int) -> str:
     return base + pytree.keystr(rest)
 
 
+def _same_constant(value: Any, example: Any) -> bool:
+    """Whether a non-tensor call argument equals the example the program was specialized to (``1 != True``)."""
+    return type(value) is type(example) and (value == example or value is example)
+
+
 class ShardedModule(nn.Module):
     """This rank's part of a sharded model.
 
@@ -320,6 +325,13 @@ class ShardedModule(nn.Module):
             if not isinstance(flat[pos], torch.Tensor):
                 raise ShardingError(f"{self._where}: {_arg_name(args, kwargs, pos)} is a {type(flat[pos]).__name__}, "
                                     f"but the example was a tensor; pass a tensor there")
+        for pos, example in traced.constant_leaves.items():
+            if not _same_constant(flat[pos], example):
+                raise ShardingError(
+                    f"{self._where}: {_arg_name(args, kwargs, pos)} is {flat[pos]!r}, but the module was sharded "
+                    f"with {example!r} there and the traced program computes with that value (torch.export "
+                    f"specializes non-tensor arguments); pass {example!r}, pass the value as a tensor, or shard "
+                    f"again with this value in example_inputs")
         leaves = [flat[i] for i in traced.tensor_leaf_positions]
         progs.input_check.check([leaves[s.index] for s in traced.slots if s.kind == "input"])
         feed: list[Any] = []

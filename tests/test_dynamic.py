@@ -128,3 +128,35 @@ def test_a_global_input_at_call_time_names_the_convention(mesh2):
                                             r"\(8 split 2 ways: this rank holds 4\): a ShardedModule takes this rank's "
                                             r"local piece .* example_inputs always have global shapes"):
         sm(torch.randn(8, 16))
+
+
+class Scaled(torch.nn.Module):
+    """A forward with Python scalars among its arguments (torch.export bakes them into the program)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float, *, relu: bool = False) -> torch.Tensor:
+        y = self.lin(x) * scale
+        return y.relu() if relu else y
+
+
+def test_python_scalar_arguments_are_baked_in_and_checked_at_call_time(mesh2):
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(4, 8)
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {"lin": fxshard.ColwiseParallel()}, example_inputs=(x, 2.0),
+                       example_kwargs={"relu": True}, out_specs=P(None, "tp"))
+    want = model(x, 2.0, relu=True)
+    got = sm(x, 2.0, relu=True)
+    torch.testing.assert_close(got, want[:, :4], rtol=0, atol=1e-6)
+    got.sum().backward()  # the training program feeds the same leaves
+    want[:, :4].sum().backward()
+    torch.testing.assert_close(sm.lin.weight.grad, model.lin.weight.grad[:4], rtol=0, atol=1e-6)
+    with pytest.raises(ShardingError, match=r"positional argument 1 is 3.0, but the module was sharded with 2.0 "
+                                            r"there .* shard again with this value"):
+        sm(x, 3.0, relu=True)
+    with pytest.raises(ShardingError, match=r"keyword argument 'relu' is False, but the module was sharded with True"):
+        sm(x, 2.0, relu=False)
+    with pytest.raises(ShardingError, match=r"positional argument 1 is 2, but the module was sharded with 2.0"):
+        sm(x, 2, relu=True)

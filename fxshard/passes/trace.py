@@ -30,7 +30,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.fx as fx
 from torch._decomp import decompositions as _decomps
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from ..constrain import constraint_scope, record
@@ -67,6 +67,9 @@ class Traced:
     n_user_leaves: int = 0
     tensor_leaf_positions: list[int] = field(default_factory=list)
     mutations: list[str] = field(default_factory=list)  # buffers updated in place: the first outputs
+    # non-tensor user inputs (floats, ints, bools, strings, None): export specializes the program to
+    # their example values, so a call must pass the same values (flat leaf position -> example value)
+    constant_leaves: dict[int, Any] = field(default_factory=dict)
 
 
 DROP = {
@@ -463,6 +466,12 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
             )
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             slots.append(Slot("constant", [spec.target]))
+        elif spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+            if node.users:
+                raise ShardingError(f"forward's non-tensor argument {node.name!r} is used as a graph input; "
+                                    f"pass it as a tensor")
+            gm.graph.erase_node(node)
+            continue
         elif spec.kind == InputKind.USER_INPUT:
             slots.append(Slot("input", [], index=user_i))
             user_i += 1
@@ -489,6 +498,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
 
     flat, in_tree = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    constant_leaves = {i: x for i, x in enumerate(flat) if not isinstance(x, torch.Tensor)}
     if len(positions) != user_i:
         raise ShardingError(
             f"the exported program takes {user_i} tensor inputs but the example inputs hold {len(positions)} tensors; "
@@ -503,4 +513,5 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         n_user_leaves=len(flat),
         mutations=mutations,
         tensor_leaf_positions=positions,
+        constant_leaves=constant_leaves,
     )
