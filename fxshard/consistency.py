@@ -7,14 +7,18 @@ shard and all of them raise the same readable error on any difference.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm_errors import guard_collective
 from .errors import ShardingError
+
+if TYPE_CHECKING:
+    from .mesh import MeshInfo
 
 __all__ = ["fingerprint", "check_same_on_all_ranks"]
 
@@ -36,19 +40,45 @@ def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inp
     return fp
 
 
-def check_same_on_all_ranks(fp: dict[str, str]) -> None:
-    """Raise ShardingError on every rank if any rank's fingerprint differs (a collective)."""
+def check_same_on_all_ranks(fp: dict[str, str], mesh: Optional["MeshInfo"] = None) -> None:
+    """Raise ShardingError on every rank if any rank's fingerprint differs (a collective).
+
+    With ``mesh`` the ranks compared are the mesh's (one exchange per mesh axis, then one more per
+    axis so that every mesh rank learns of any difference): ranks outside it (other pipeline stages,
+    other data-parallel replicas sharding over their own sub-mesh) are neither waited for nor compared.
+    Without it, every rank of the default group takes part.
+    """
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
-    everyone: list[Any] = [None] * dist.get_world_size()
-    guard_collective(lambda: dist.all_gather_object(everyone, fp),
-                     "comparing what every rank shards (the first collective of shard() or of a new jit signature)")
+    groups = ([None] if mesh is None else
+              [_resolve_process_group(g) for g, size in zip(mesh.group_names, mesh.sizes) if size > 1])
+    found: list[str] = []
+    for group in groups:
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        guard_collective(lambda: dist.all_gather_object(everyone, fp, group=group),
+                         "comparing what every rank shards (the first collective of shard() or of a new jit signature)")
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+        found += _differences(ranks, everyone)[:1]
+    if mesh is not None:  # spread what any rank found, axis by axis, so every mesh rank raises
+        for group in groups:
+            heard: list[Any] = [None] * dist.get_world_size(group)
+            guard_collective(lambda: dist.all_gather_object(heard, found[:1], group=group),
+                             "telling every rank what differs between ranks")
+            found = found[:1] or [f for h in heard for f in h][:1]
+    if found:
+        raise ShardingError(found[0])
+
+
+def _differences(ranks: list[int], everyone: list[dict[str, str]]) -> list[str]:
+    """Messages naming each entry that differs between the first rank and another."""
     ref = everyone[0]
-    for rank, other in enumerate(everyone):
+    out = []
+    for rank, other in zip(ranks, everyone):
         for name in sorted(set(ref) | set(other)):
             if ref.get(name) != other.get(name):
-                raise ShardingError(
-                    f"{name} differs between rank 0 ({ref.get(name, 'absent')}) and rank {rank} "
+                out.append(
+                    f"{name} differs between rank {ranks[0]} ({ref.get(name, 'absent')}) and rank {rank} "
                     f"({other.get(name, 'absent')}); every rank must call shard() (or the jitted function) with the "
                     f"same plan, mesh, model, modes and input shapes"
                 )
+    return out

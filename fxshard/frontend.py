@@ -28,10 +28,11 @@ __all__ = ["check_consistent", "required_outputs", "output_text", "context_for"]
 
 
 def check_consistent(info: MeshInfo, in_specs: Any, out_specs: Any, program: dict[str, str]) -> None:
-    """Raise the same ShardingError on every rank when any rank's mesh, specs or ``program``
-    description (named, comparable strings) differs from rank 0's (a collective)."""
+    """Raise the same ShardingError on every rank of the mesh when any of them has a mesh, specs or
+    ``program`` description (named, comparable strings) different from the others' (a collective over
+    the mesh's ranks only)."""
     check_same_on_all_ranks({"mesh": f"{dict(zip(info.names, info.sizes))}", "in_specs": repr(in_specs),
-                             "out_specs": repr(out_specs), **program})
+                             "out_specs": repr(out_specs), **program}, info)
 
 
 def output_text(i: int, leaf: Any) -> str:
