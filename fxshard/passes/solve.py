@@ -135,7 +135,7 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         return gm
     problem = build_problem(gm, ctx)
     picks = solve_problem(problem, _legality(gm, problem))
-    check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()})
+    check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()}, ctx.mesh)
     apply(gm, ctx, problem, picks)
     return gm
 
