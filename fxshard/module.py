@@ -415,6 +415,7 @@ class ShardedModule(nn.Module):
         slice: any ``init`` works and a per-tensor seeded one reproduces the unsharded init bit for bit. Values
         come from rank ``src_data_rank`` (default 0), whose full tensor is broadcast (with
         ``src_data_rank=None`` each rank keeps its own, and replicated values that differ raise a ShardingError).
+        A tensor ``init`` does not write in place keeps its values here too; one it writes must be written whole.
         """
         src = self._src_data_rank if communicates(self._mesh) else None
         own = self._named_tensors()
@@ -431,7 +432,10 @@ class ShardedModule(nn.Module):
                         filled.append(name)
                     continue
                 full = torch.empty(shape, dtype=local.dtype, device="cpu")
+                version = full._version
                 init(name, full)
+                if full._version == version:  # init left it alone: it keeps its values (or stays unfilled)
+                    continue
                 if src is not None:
                     full = from_source(full, src, self._mesh, local.device, writable=True)
                 self._write(name, local, lambda src_box: full[src_box])

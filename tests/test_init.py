@@ -112,6 +112,13 @@ def _inits(rank: int, world: int) -> dict:
         out["unfilled"] = ""
     except ShardingError as e:
         out["unfilled"] = str(e)
+    sm, batch = _meta_llama(mesh)
+    sm.init_parameters(lambda n, t: None if n in ROPE else _seeded_init(n, t), exact=True)
+    try:
+        sm(*batch)
+        out["exact_unfilled"] = ""
+    except ShardingError as e:
+        out["exact_unfilled"] = str(e)
     sm.init_parameters(_seeded_init, exact=True)
     ref = models.LlamaDecoder(**LLAMA)
     for name, t in ref.state_dict().items():
@@ -131,6 +138,7 @@ def test_init_parameters_tiled_and_exact():
         assert "draws random numbers with aten.randn" in res["refused"], res
         assert "exact=True" in res["refused"], res
         assert "rope_cos" in res["unfilled"] and "tok_embeddings" not in res["unfilled"], res
+        assert "rope_cos" in res["exact_unfilled"] and "tok_embeddings" not in res["exact_unfilled"], res
         assert res["exact_state"] == 0.0 and res["exact_loss"] <= TOL, res
         big = res["big"]
         assert big["rows_equal"] and 0.015 < big["std"] < 0.025, big
