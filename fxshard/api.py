@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
+from .auto import AutoReport, complete_plan, parse_budget
 from .consistency import fingerprint
 from .constrain import constraint_scope
 from .context import ShardContext
@@ -27,7 +28,7 @@ from .context import runtime_device
 from .frontend import check_consistent, graph_outputs, required_outputs
 from .passes.annotate import annotate
 from .passes.bucket import DEFAULT_BUCKET_MB, bucket_gradients
-from .passes.joint import partition, trace_joint
+from .passes.joint import joint_context, partition, trace_joint
 from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
@@ -43,8 +44,9 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy",
-          progress: Progress = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy", auto: bool = False,
+          memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
+          pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
     Requires: ``example_inputs`` with global shapes (any device; meta works), a
@@ -63,6 +65,14 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
     ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
     scipy, ``passes/solve.py``) instead of the greedy sweep.
+
+    Auto-sharding: ``auto=True`` completes ``plan`` (down to an empty one): every parameter it does
+    not place is replicated or split on a mesh axis (tensor-parallel, or FSDP-style: stored split,
+    gathered before use) as one MILP finds cheapest in communication with the per-rank footprint
+    within ``memory_budget`` (bytes per rank, or a string like ``"8GiB"``): parameters, gradients,
+    AdamW state (two fp32 values per element) and an activation peak estimate (``fxshard/auto.py``).
+    What the plan places stays as given; ``explain()`` lists the chosen entries and what each saves
+    (``sm.sharding.auto``). No plan within the budget is a ShardingError giving the smallest footprint.
 
     Gradient communication: as in DDP, the backward's gradient all-reduces (reduce-scatters under
     FSDP-style specs) are packed into buckets of at most ``bucket_mb`` MiB (default 25, DDP's
@@ -97,17 +107,23 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
     if planner not in PLANNERS:
         raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
+    budget = parse_budget(memory_budget)
+    if budget is not None and not auto:
+        raise ShardingError(f"memory_budget={memory_budget!r} is used by auto-sharding only; pass auto=True to let "
+                            f"fxshard complete the plan within it, or drop memory_budget")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
-                   bucket_mb, planner)
-    progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
+                   bucket_mb, planner, auto, budget)
+    progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
+    if report is not None:  # sharding again for other modes keeps the chosen plan
+        req = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
     modules = _module_tree(model)
     sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                        modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
                        reshard=None if getattr(model, "fxshard_fixed_modes", False)
-                       else _resharder(model, info, req, placements, say))
+                       else _resharder(model, info, req, placements, say), auto=report)
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
@@ -129,6 +145,8 @@ class _Request:
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
     planner: str = "greedy"
+    auto: bool = False
+    budget: Optional[int] = None
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
@@ -139,8 +157,9 @@ def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
 
 
 def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
-                    ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device]:
-    """Trace ``model`` in its current modes and shard every program (a collective: the consistency check)."""
+                    ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device, Optional[AutoReport]]:
+    """Trace ``model`` in its current modes and shard every program (a collective: the consistency check);
+    with ``req.auto``, the plan is completed first (the report; None otherwise)."""
     example_inputs, kwargs = req.example_inputs, req.kwargs
     check_consistent(info, req.in_specs, req.out_specs, fingerprint(req.plan, model, example_inputs))
     say("checking the plan")
@@ -155,6 +174,18 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
         graph_outputs(traced.gm)[len(traced.mutations):], traced.out_tree, req.out_specs, info)
     ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                    constraints=recorded)
+    leaves = pytree.tree_leaves((tuple(example_inputs), kwargs))
+    wants_grad = [
+        (slot.kind == "param" and slot.requires_grad)
+        or (slot.kind == "input" and leaves[traced.tensor_leaf_positions[slot.index]].requires_grad)
+        for slot in traced.slots
+    ]
+    report = None
+    if req.auto:
+        say("choosing the placements the plan leaves out (auto)")
+        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget)
+        ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
+                       constraints=recorded)
     ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}
@@ -168,19 +199,13 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     check = InputCheck.from_placeholders([i for i, _ in ins], [n.meta.get("val") for _, n in ins],
                                          [ctx.seeds.get(n.name, (R,) * k) for _, n in ins], info)
 
-    leaves = pytree.tree_leaves((tuple(example_inputs), kwargs))
-    wants_grad = [
-        (slot.kind == "param" and slot.requires_grad)
-        or (slot.kind == "input" and leaves[traced.tensor_leaf_positions[slot.index]].requires_grad)
-        for slot in traced.slots
-    ]
     training = None
     if any(wants_grad):
         training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb)
     say("sharding the inference program")
     gm = req.pipeline(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
-    return progs, placements, shapes, runtime_device(ctx)
+    return progs, placements, shapes, runtime_device(ctx), report
 
 
 def _meta_like(x: Any) -> Any:
@@ -208,7 +233,8 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner,
+                   req.auto, req.budget)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -221,7 +247,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
             m.training = modes.get(fqn, m.training)
         say = progress or (lambda msg: None)
         say(f"modes changed: sharding {name} again for {_mode_text(modes)}")
-        progs, again, _, _ = _shard_programs(skeleton, info, req, say)
+        progs, again, _, _, _ = _shard_programs(skeleton, info, req, say)
         if again != placements:
             raise ShardingError(f"internal: sharding {name} for other modes placed its parameters differently; "
                                 f"please report this model")
@@ -243,16 +269,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
-    fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
-    for f, j in zip(fwd_ph, joint_ph):
-        if f.name in ctx.seeds:
-            jctx.seeds[j.name] = ctx.seeds[f.name]
-    k = len(ctx.mesh.sizes)
-    for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
-        jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
-    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
+    jctx = joint_context(traced, ctx, joint)
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm)

@@ -28,7 +28,8 @@ class Sharding:
     (training forward and backward, or the inference forward), each with its graph, label and
     fallbacks; ``inference``/``training``: the programs of the current modes; ``placements`` and
     ``global_shapes``: per parameter/buffer FQN (empty for a function); ``slots``: what feeds
-    each placeholder of the traced program (empty for a function); ``is_module``: a ShardedModule.
+    each placeholder of the traced program (empty for a function); ``is_module``: a ShardedModule;
+    ``auto``: what ``shard(auto=True)`` chose (``fxshard.auto.AutoReport``), else None.
     """
 
     mesh: MeshInfo
@@ -39,6 +40,7 @@ class Sharding:
     global_shapes: Mapping[str, tuple] = field(default_factory=lambda: MappingProxyType({}))
     slots: tuple = ()
     is_module: bool = False
+    auto: Any = None  # fxshard.auto.AutoReport when shard(auto=True) chose part of the plan
 
     @property
     def fallbacks(self) -> list[str]:

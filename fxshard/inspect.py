@@ -66,6 +66,8 @@ def explain(sm: Any) -> str:
         from .memory import memory
 
         lines.append("memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in memory(sm).items()))
+    if view.auto is not None:
+        lines += view.auto.lines()
     for prog in view.programs:
         rows = []
         for n in prog.gm.graph.nodes:

@@ -29,7 +29,7 @@ from .symbolic import sym_dim, sym_shape
 
 aten = torch.ops.aten
 
-__all__ = ["memory", "program_peak", "OPTIMIZER_STATES"]
+__all__ = ["memory", "program_peak", "liveness_peak", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
@@ -76,6 +76,13 @@ def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bo
     """Peak bytes of values the program allocates (plus its inputs when ``inputs_live``, except the
     placeholders at positions ``not_counted``, e.g. parameters that are counted elsewhere)."""
     vals = _local_vals(gm, sizes, device, coords)
+    return liveness_peak(gm, lambda n: _nbytes(vals.get(n)), inputs_live, outputs_live, not_counted)
+
+
+def liveness_peak(gm: fx.GraphModule, nbytes, inputs_live: bool = False, outputs_live: bool = True,
+                  not_counted: frozenset = frozenset()) -> int:
+    """Peak of the bytes live at once in ``gm``, ``nbytes(node)`` the bytes each value allocates (see
+    :func:`program_peak`; views share their base's storage)."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     base: dict[fx.Node, fx.Node] = {}
@@ -105,11 +112,11 @@ def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bo
                 continue
         elif n.op != "call_function" or n in base:
             continue
-        live += _nbytes(vals.get(n))
+        live += nbytes(n)
         frees.setdefault(last.get(n, pos[n]), []).append(n)
         peak = max(peak, live)
         for dead in frees.pop(pos[n], []):
-            live -= _nbytes(vals.get(dead))
+            live -= nbytes(dead)
     return peak
 
 

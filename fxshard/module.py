@@ -175,7 +175,7 @@ class ShardedModule(nn.Module):
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
                  modules: Sequence[tuple[str, str, bool, str]] = (), name: str = "model",
-                 reshard: Optional[Callable[[dict[str, bool]], Programs]] = None,
+                 reshard: Optional[Callable[[dict[str, bool]], Programs]] = None, auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
         super().__init__()
         self._mesh = mesh
@@ -184,6 +184,7 @@ class ShardedModule(nn.Module):
         self._global_shapes = global_shapes
         self._where = f"ShardedModule({name})"
         self._reshard = reshard
+        self._auto = auto
         self._src_data_rank = src_data_rank
         scopes: dict[str, nn.Module] = {"": self}
         for fqn, kind, training, first in modules:  # pre-order, so parents come first
@@ -259,7 +260,7 @@ class ShardedModule(nn.Module):
         cur = self._current
         return Sharding(self._info, tuple(self._programs()), cur.forward, cur.training,
                         MappingProxyType(dict(self._placements)), MappingProxyType(dict(self._global_shapes)),
-                        tuple(cur.traced.slots), is_module=True)
+                        tuple(cur.traced.slots), is_module=True, auto=self._auto)
 
     def _programs(self) -> list[Program]:
         """Training forward/backward when the module trains, else the inference forward: those of the

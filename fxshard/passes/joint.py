@@ -43,12 +43,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from ..context import ShardContext
 from ..errors import ShardingError
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
+from ..placements import R
 from ..registry import output_leaves
 from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_error
 
-__all__ = ["Joint", "trace_joint", "partition", "Split"]
+__all__ = ["Joint", "trace_joint", "joint_context", "partition", "Split"]
 
 
 @dataclass
@@ -327,3 +329,20 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
         m.graph.eliminate_dead_code()
         m.recompile()
     return Split(fgm, bgm, len(saved))
+
+
+def joint_context(traced: Traced, ctx: ShardContext, joint: Joint) -> ShardContext:
+    """The context of the joint graph from the forward's ``ctx``: primals keep the forward's seeds,
+    tangents take the layout their output is required in, and each gradient (output
+    ``len(ctx.out_required) + m`` for the ``m``-th of ``joint.diff_in``) its primal's layout."""
+    fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
+    for f, j in zip(fwd_ph, joint_ph):
+        if f.name in ctx.seeds:
+            jctx.seeds[j.name] = ctx.seeds[f.name]
+    k = len(ctx.mesh.sizes)
+    for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
+        jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
+    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
+    return jctx

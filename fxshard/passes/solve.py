@@ -118,6 +118,8 @@ class Problem:
     greedy: dict[ValueKey, Layout] = field(default_factory=dict)  # every value's greedy layout
     nbytes: dict[ValueKey, float] = field(default_factory=dict)
     required: list[tuple[ValueKey, Layout]] = field(default_factory=list)  # fixed demands (graph outputs)
+    # demands that follow a decision node's output (a free parameter's gradient takes its layout)
+    tied: list[tuple[ValueKey, str]] = field(default_factory=list)
 
     def outputs_of(self, u: ValueKey, a: int) -> dict[Pl, list[int]]:
         """The placements value ``u`` may take on axis ``a``, each with the producer's choices giving it."""
@@ -234,8 +236,14 @@ def _flops(node: fx.Node) -> float:
     return work
 
 
-def build_problem(gm: fx.GraphModule, ctx: ShardContext) -> Problem:
-    """Candidates for every node of a propagated graph, in graph order."""
+def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str, list[list[Pl]]]] = None,
+                  tied: Optional[dict[int, str]] = None) -> Problem:
+    """Candidates for every node of a propagated graph, in graph order.
+
+    ``free`` (auto-sharding, ``fxshard/auto.py``): placeholders whose layout is a decision, with their
+    candidate placements per axis (the greedy one first); ``tied``: graph output index -> the free
+    placeholder whose layout that output must take (a parameter's gradient)."""
+    free, tied = free or {}, tied or {}
     problem = Problem(tuple(ctx.mesh.sizes))
     k = len(problem.sizes)
     for node in gm.graph.nodes:
@@ -245,7 +253,9 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext) -> Problem:
             leaves = [x for x in output_leaves(node)
                       if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
             for j, (leaf, want) in enumerate(zip(leaves, req)):
-                if j < len(ctx.out_required) and ctx.out_required[j] is not None:
+                if j in tied:
+                    problem.tied.append((_value_of(leaf), tied[j]))
+                elif j < len(ctx.out_required) and ctx.out_required[j] is not None:
                     problem.required.append((_value_of(leaf), tuple(want)))
             continue
         if spec is None or (node.op == "call_function" and node.target is operator.getitem
@@ -257,7 +267,10 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext) -> Problem:
                 problem.greedy[(node.name, j)] = sp.placements
                 problem.nbytes[(node.name, j)] = _nbytes(node.meta["val"] if not isinstance(spec, tuple)
                                                          else node.meta["val"][j])
-        if node.op == "call_function" and node.target is CONSTRAIN_OP:
+        if node.name in free:
+            problem.nodes[node.name] = NodeVars([[AxisChoice((), (p,)) for p in pls] for pls in free[node.name]],
+                                                (0,) * k, [])
+        elif node.op == "call_function" and node.target is CONSTRAIN_OP:
             axes = [_constrain_choices(node, problem, ctx, a) for a in range(k)]
             problem.nodes[node.name] = NodeVars(axes, (0,) * k, [_value_of(node.args[0])])
         elif node.op == "call_function" and STRATEGY_KEY in node.meta:
@@ -358,6 +371,8 @@ def plan_cost(problem: Problem, picks: dict[str, tuple[int, ...]]) -> float:
             needs.setdefault(u, set()).add(tuple(c.inputs[slot] for c in chosen))
     for u, lay in problem.required:
         needs.setdefault(u, set()).add(lay)
+    for u, name in problem.tied:
+        needs.setdefault(u, set()).add(out[(name, 0)])
     for u, lays in needs.items():
         total += sum(price(out[u], p, problem.nbytes[u], problem.sizes) for p in lays) / UNIT
     return total
@@ -401,6 +416,10 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
     for u, lay in problem.required:
         for a in range(k):
             consumers.setdefault((u, a), []).append({lay[a]: []})
+    for u, name in problem.tied:
+        for a in range(k):
+            consumers.setdefault((u, a), []).append(
+                {p: [x[name][a][i] for i in idx] for p, idx in problem.outputs_of((name, 0), a).items()})
     for (u, a), slots in consumers.items():
         outs = {q: [x[u[0]][a][i] for i in idx] for q, idx in problem.outputs_of(u, a).items()}
         z: dict[tuple[Pl, Pl], int] = {}
@@ -437,7 +456,8 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
     return m, x
 
 
-def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3) -> dict[str, tuple[int, ...]]:
+def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, extend=None,
+                  admissible=lambda picks: True) -> dict[str, tuple[int, ...]]:
     """The chosen choice index per decision node and axis.
 
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
@@ -445,7 +465,8 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3) -
     scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned.
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
-    solve time on the ``fxshard.passes.solve`` logger (INFO).
+    solve time on the ``fxshard.passes.solve`` logger (INFO). ``extend(model, x)`` adds columns and rows
+    to each MILP (auto-sharding's memory budget); the greedy plan competes only if ``admissible(picks)``.
     """
     try:
         import numpy as np
@@ -456,10 +477,13 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3) -
                             f"({e}); pip install 'scipy>=1.11' (or fxshard[solve]), or use planner='greedy'") from e
     t0 = time.perf_counter()
     best = {name: nv.greedy for name, nv in problem.nodes.items()}
-    best_cost = greedy_cost = plan_cost(problem, best)
+    greedy_cost = plan_cost(problem, best)
+    best_cost = greedy_cost if admissible(best) else float("inf")
     prev, tried = best, 0
     for _ in range(rounds if len(problem.sizes) > 1 else 1):
         m, x = _formulate(problem, layouts(problem, prev), prev)
+        if extend is not None:
+            extend(m, x)
         for _ in range(MAX_ROUNDS):
             a = csr_array((m.coef, (m.rows, m.cols)), shape=(len(m.row_lb), len(m.cost)))
             res = milp(np.array(m.cost), integrality=np.array(m.integer),
