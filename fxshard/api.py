@@ -44,7 +44,7 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy", auto: bool = False,
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: Optional[str] = None, auto: bool = False,
           memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
           pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
@@ -64,7 +64,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
     ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
-    scipy, ``passes/solve.py``) instead of the greedy sweep.
+    scipy, ``passes/solve.py``) instead of the greedy sweep; the default (None) is ``"greedy"``, or
+    ``"global"`` with ``auto=True``.
 
     Auto-sharding: ``auto=True`` completes ``plan`` (down to an empty one): every parameter it does
     not place is replicated or split on a mesh axis (tensor-parallel, or FSDP-style: stored split,
@@ -105,6 +106,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                                   or not bucket_mb >= 0):
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
+    planner = planner if planner is not None else "global" if auto else "greedy"
     if planner not in PLANNERS:
         raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     budget = parse_budget(memory_budget)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import itertools
+import operator
 import re
 import time
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ from .passes.propagate import propagate
 from .passes.trace import Traced
 from .context import ShardContext
 from .errors import ShardingError
-from .ir import META_KEY
+from .ir import META_KEY, VIEW_OPS
 from .memory import liveness_peak
+from .registry import output_leaves
 from .placements import Pl, R, S
 from .spec import Spec
 from .passes.solve import UNIT, build_problem, plan_cost, solve_problem
@@ -49,6 +51,9 @@ __all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq per trained parameter element
 STATE_BYTES = 4  # each kept in fp32
+# the budget makes the MILP a knapsack: proving the last percent costs minutes, and the chosen layouts are
+# planned again (planner="global", the parameters fixed) when the model is sharded
+GAP = 0.01
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -141,8 +146,20 @@ def state_bytes(val: torch.Tensor, layout: tuple[Pl, ...], sizes: tuple[int, ...
     return val.numel() * per // _split(layout, sizes)
 
 
-def _activation_peak(gm: fx.GraphModule, sizes: tuple[int, ...]) -> int:
+def _activation_peak(gm: fx.GraphModule, sizes: tuple[int, ...], grad_outputs: set[int]) -> int:
+    """Liveness peak of the graph's values at their propagated local sizes, the parameters' gradients
+    (graph outputs ``grad_outputs``, counted with the parameters) left out."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    grads = set()
+    for j, leaf in enumerate(output_leaves(out)):
+        while j in grad_outputs and isinstance(leaf, fx.Node) and leaf not in grads:
+            grads.add(leaf)  # the gradient and the values it views (their storage)
+            if leaf.op == "call_function" and (leaf.target in VIEW_OPS or leaf.target is operator.getitem):
+                leaf = leaf.args[0]
+
     def local(n: fx.Node) -> int:
+        if n in grads:
+            return 0
         spec = n.meta.get(META_KEY)
         total = 0
         for s in spec if isinstance(spec, tuple) else (spec,):
@@ -157,14 +174,15 @@ def _activation_peak(gm: fx.GraphModule, sizes: tuple[int, ...]) -> int:
 
 
 def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, list[str]], tied: dict[int, str],
-                      trained: set[str], fixed_bytes: int, budget: Optional[int]
+                      trained: set[str], fixed_bytes: int, budget: Optional[int], grad_outputs: set[int] = frozenset()
                       ) -> tuple[dict[str, tuple[Pl, ...]], AutoReport]:
     """Layouts for the ``free`` placeholders of a propagated graph (placeholder name -> the FQNs it
     feeds) within ``budget`` bytes per rank.
 
     Requires: ``gm`` propagated with every free placeholder replicated; ``tied`` maps output indices to
     the free placeholder whose layout they take (gradients); ``trained`` names the free placeholders
-    that get gradients; ``fixed_bytes`` the per-rank bytes of everything placed by the user.
+    that get gradients; ``fixed_bytes`` the per-rank bytes of everything placed by the user;
+    ``grad_outputs`` the output indices holding parameter gradients (not activations).
     Ensures: FQN -> layout for every free parameter, the same on every rank (checked), whose
     footprint fits ``budget``; a ShardingError with the smallest footprint otherwise."""
     t0 = time.perf_counter()
@@ -176,7 +194,7 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
                for name, v in vals.items()}
     cost = {name: [state_bytes(vals[name], lay, sizes, name in trained) for lay in lays]
             for name, lays in options.items()}
-    act = _activation_peak(gm, sizes)
+    act = _activation_peak(gm, sizes, set(grad_outputs))
     base = fixed_bytes + act
     smallest = base + sum(min(c) for c in cost.values())
     if budget is not None and smallest > budget:
@@ -197,7 +215,7 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
     def extend(m, x) -> None:
         mem_terms = []
         for name, lays in options.items():
-            y = [m.var(0.0, False) for _ in lays]
+            y = [m.var(0.0, True) for _ in lays]
             for a in range(len(sizes)):
                 for i, c in enumerate(problem.nodes[name].axes[a]):
                     m.row([(x[name][a][i], -1.0)] + [(y[j], 1.0) for j, lay in enumerate(lays)
@@ -207,7 +225,7 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         if budget is not None:
             m.row(mem_terms, 0.0, (budget - base) / budget)
 
-    picks = solve_problem(problem, extend=extend,
+    picks = solve_problem(problem, rounds=1, extend=extend, gap=GAP,
                           admissible=lambda p: budget is None or footprint(p) <= budget)
     chosen = {name: layout(name, picks) for name in free}
     check_same_on_all_ranks({"auto plan": hashlib.sha256(repr(sorted(chosen.items())).encode()).hexdigest()},
@@ -257,11 +275,12 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
         rename = {f.name: j.name for f, j in zip(fwd_ph, joint_ph)}
         tied = {len(ctx.out_required) + m: rename[fwd_ph[i].name] for m, i in enumerate(joint.diff_in)
                 if fwd_ph[i].name in free}
+        grad_outputs = {len(ctx.out_required) + m for m, i in enumerate(joint.diff_in) if traced.slots[i].kind == "param"}
     else:
-        gm, rename, tied = copy.deepcopy(traced.gm), {f.name: f.name for f in fwd_ph}, {}
+        gm, rename, tied, grad_outputs = copy.deepcopy(traced.gm), {f.name: f.name for f in fwd_ph}, {}, set()
         pctx = ShardContext(mesh=ctx.mesh, label=ctx.label, seeds=dict(ctx.seeds), out_required=list(ctx.out_required),
                             constraints=dict(ctx.constraints))
     propagate(gm, pctx)
     chosen, report = choose_placements(gm, pctx, {rename[k]: v for k, v in free.items()}, tied,
-                                       {rename[k] for k in trained}, fixed, budget)
+                                       {rename[k] for k in trained}, fixed, budget, grad_outputs)
     return {**param_pls, **chosen}, report

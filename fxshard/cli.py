@@ -1,6 +1,6 @@
 """The ``fxshard`` command line: ``fxshard plan`` (plan a model on one process) and ``fxshard demo``.
 
-``fxshard plan MODEL --mesh tp=8,dp=64 [--plan PLAN] [--batch N --seq N]`` builds
+``fxshard plan MODEL --mesh tp=8,dp=64 [--plan PLAN] [--auto --memory-budget 80GiB] [--batch N --seq N]`` builds
 MODEL (``module:callable``, called under ``torch.device("meta")``; it returns a model,
 fed token ids ``(tokens, tokens)`` of ``--batch`` x ``--seq``, or ``(model, example_inputs)``
 with a tuple of positional inputs or a dict of keyword inputs, global shapes) and shards it on the fake process group
@@ -123,7 +123,7 @@ def plan_command(args: argparse.Namespace) -> int:
             in_specs = tuple(fxshard.P("dp") for _ in inputs)
             in_specs = (in_specs, {k: fxshard.P("dp") for k in kwargs}) if kwargs else in_specs
         sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
-                           progress=say)
+                           progress=say, auto=args.auto, memory_budget=args.memory_budget)
         say("computing the memory report")
         mem = fxshard.memory(sm, args.optimizer)
         stats = fxshard.comm_stats(sm)
@@ -134,6 +134,8 @@ def plan_command(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {type(model).__name__}, {n_params / 1e9:.3f} B parameters; mesh {axes} ({world} ranks); "
           f"{described}")
+    if sm.sharding.auto is not None:
+        print("\n" + "\n".join(sm.sharding.auto.lines()))
     print("\nper-rank memory (rank 0):")
     for k, v in mem.items():
         print(f"  {k:<16} {v:>16,d} bytes  ({_fmt_bytes(v)})")
@@ -177,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan the training step (forward + backward); --no-train plans inference only")
     pl.add_argument("--optimizer", default="adamw", help="optimizer whose state the memory report counts")
     pl.add_argument("--explain", metavar="FILE", help="write the explain table to FILE")
+    pl.add_argument("--auto", action="store_true", help="complete the plan (or an empty one) by cost: every "
+                    "parameter it leaves out is replicated or split as the solver finds cheapest within --memory-budget")
+    pl.add_argument("--memory-budget", metavar="BYTES", help="per-rank memory budget for --auto, e.g. 80GiB "
+                    "(parameters, gradients, AdamW state, activation peak estimate)")
     pl.set_defaults(fn=plan_command)
     de = sub.add_parser("demo", help="run the README's main job: 2-rank tensor-parallel training with parity")
     de.set_defaults(fn=demo_command)

@@ -457,7 +457,7 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
 
 
 def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, extend=None,
-                  admissible=lambda picks: True) -> dict[str, tuple[int, ...]]:
+                  admissible=lambda picks: True, gap: float = 1e-6) -> dict[str, tuple[int, ...]]:
     """The chosen choice index per decision node and axis.
 
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
@@ -466,7 +466,8 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
     solve time on the ``fxshard.passes.solve`` logger (INFO). ``extend(model, x)`` adds columns and rows
-    to each MILP (auto-sharding's memory budget); the greedy plan competes only if ``admissible(picks)``.
+    to each MILP (auto-sharding's memory budget); the greedy plan competes only if ``admissible(picks)``;
+    ``gap`` is HiGHS's relative optimality gap.
     """
     try:
         import numpy as np
@@ -489,7 +490,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
             res = milp(np.array(m.cost), integrality=np.array(m.integer),
                        bounds=Bounds(np.array(m.lb), np.array(m.ub)),
                        constraints=LinearConstraint(a, np.array(m.row_lb), np.array(m.row_ub)),
-                       options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": 1e-6})
+                       options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": gap})
             if res.x is None or not res.success:
                 raise ShardingError(f"internal: the global planner's MILP found no plan ({res.message}); "
                                     f"use planner='greedy' and please report this model")

@@ -1,0 +1,160 @@
+"""Auto-sharding (``fxshard.shard(..., auto=True, memory_budget=...)``, fxshard/auto.py): plans on the fake
+process group, numerics of auto-chosen plans on 2 gloo ranks against the unsharded model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import fxshard
+from fxshard import P, ShardingError
+from fxshard.auto import parse_budget
+from fxshard.placements import R, S
+from tests import models
+from tests.dist_utils import run_ranks
+
+N_CLASSES = 1024
+
+
+def _head() -> tuple[torch.nn.Module, tuple]:
+    """Seed 004: a small conv trunk and a classifier head of 1024 classes over 128 features."""
+    head = models.ConvBigHeadWithLoss(in_ch=3, ch=8, img=4, n_classes=N_CLASSES)
+    g = torch.Generator().manual_seed(7)
+    return head, (models.make_images(8, 3, 4, seed=1), torch.randint(0, N_CLASSES, (8,), generator=g))
+
+
+def _head_bytes(head: torch.nn.Module) -> int:
+    """The head weight's training footprint replicated: parameter + gradient (fp32) + AdamW's 2 fp32 states."""
+    return head.linear.weight.numel() * 16
+
+
+def _auto_head(mesh, budget):
+    head, batch = _head()
+    return fxshard.shard(head, mesh, {}, example_inputs=batch, in_specs=(P("dp"), P("dp")), auto=True,
+                         memory_budget=budget, progress=False)
+
+
+def test_parse_budget():
+    assert parse_budget("8GiB") == 8 * 2**30 and parse_budget("1.5 GB") == 1_500_000_000
+    assert parse_budget(1000) == 1000 and parse_budget("512mib") == 512 * 2**20 and parse_budget(None) is None
+    for bad in ("lots", "-1GiB", 0, True, "8 parsecs"):
+        with pytest.raises(ShardingError, match="is not a memory size"):
+            parse_budget(bad)
+
+
+def test_seed004_budget_below_the_head_shards_it_over_the_classes(fake_mesh):
+    """Replicated, the model needs the head's 2 MiB of state; a budget under that makes the solver split the
+    head over the classes (weight and bias on dim 0) and keep the conv trunk data parallel (replicated)."""
+    mesh = fake_mesh(2, names=("dp",))
+    head, _ = _head()
+    free = _auto_head(mesh, None)
+    assert set(free._placements.values()) == {(R,)}  # nothing forces a split: data parallel everywhere
+    sm = _auto_head(mesh, _head_bytes(head) * 3 // 4)
+    assert sm._placements == {"conv.weight": (R,), "conv.bias": (R,), "linear.weight": (S(0),),
+                              "linear.bias": (S(0),)}
+    report = sm.sharding.auto
+    assert report.footprint <= report.budget < free.sharding.auto.footprint
+    text = fxshard.explain(sm)
+    assert "auto plan: 2 entries chosen by the solver" in text and "linear.weight: (S(0),)  saves 1.00 MiB" in text
+    # the memory report of the result agrees with the estimate's parameter part
+    assert fxshard.memory(sm)["params"] == sum(p.numel() * 4 for p in head.parameters()) - (
+        head.linear.weight.numel() + head.linear.bias.numel()) * 2
+
+
+def test_full_hand_plan_is_kept_as_is(fake_mesh):
+    """Every parameter placed by hand: auto has nothing to choose, and the result is the hand plan's."""
+    mesh = fake_mesh(2, names=("dp",))
+    plan = {"conv.*": None, "linear.weight": P("dp", None), "linear.bias": P("dp")}
+    got = {}
+    for auto in (False, True):
+        head, batch = _head()
+        got[auto] = fxshard.shard(head, mesh, plan, example_inputs=batch, in_specs=(P("dp"), P("dp")), auto=auto,
+                                  progress=False)
+    assert got[True]._placements == got[False]._placements and got[True].sharding.auto is None
+    assert fxshard.comm_stats(got[True]) == fxshard.comm_stats(got[False])
+
+
+def test_user_entries_stay_fixed(fake_mesh):
+    """A partial plan is completed, never changed: the head placed row-parallel by hand stays so though
+    the budget then pushes the solver to split other parameters."""
+    mesh = fake_mesh(2, names=("dp",))
+    head, batch = _head()
+    sm = fxshard.shard(head, mesh, {"linear.weight": P(None, "dp")}, example_inputs=batch,
+                       in_specs=(P("dp"), P("dp")), auto=True, progress=False)
+    assert sm._placements["linear.weight"] == (S(1),)
+    assert "linear.weight" not in {c.fqn for c in sm.sharding.auto.chosen}
+
+
+def test_budget_nothing_fits_says_the_smallest_footprint(fake_mesh):
+    mesh = fake_mesh(2, names=("dp",))
+    with pytest.raises(ShardingError, match=r"memory_budget=1.00 KiB per rank: no plan fits; the smallest footprint "
+                                            r"found is [0-9.]+ [KM]iB .*raise memory_budget"):
+        _auto_head(mesh, 1024)
+
+
+def test_budget_without_auto_is_an_error(fake_mesh):
+    mesh = fake_mesh(2, names=("dp",))
+    head, batch = _head()
+    with pytest.raises(ShardingError, match="pass auto=True"):
+        fxshard.shard(head, mesh, {}, example_inputs=batch, memory_budget="1GiB")
+
+
+def test_llama_auto_fits_a_budget_replication_does_not(fake_mesh):
+    """Only in_specs=P("dp") on a dp x tp mesh: a budget 40% under the replicated footprint gets a plan
+    that fits it and splits the large matrices."""
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+
+    def shard(budget):
+        with torch.device("meta"):
+            m = models.LlamaDecoder(vocab=1024, dim=128, n_heads=4, n_kv_heads=2, n_layers=1, hidden=256, max_seq=16)
+        return fxshard.shard(m, mesh, {}, example_inputs=(tokens, tokens), in_specs=(P("dp"), P("dp")), auto=True,
+                             memory_budget=budget, progress=False)
+
+    rep = shard(None).sharding.auto
+    sm = shard(int(rep.footprint * 0.6))
+    auto = sm.sharding.auto
+    assert auto.footprint <= auto.budget < rep.footprint
+    split = {c.fqn for c in auto.chosen}
+    assert {"tok_embeddings.weight", "output.weight"} <= split, auto.lines()
+    mem = fxshard.memory(sm, "adamw")
+    assert mem["params"] + mem["grads"] <= auto.footprint
+
+
+def _train_auto(rank: int, world: int) -> dict:
+    """Auto-chosen plans (seed 004 under a budget below its head; a small Llama under a budget below its
+    replicated footprint): loss and full gradients against the unsharded model."""
+    mesh = fxshard.init_mesh(dp=world)
+    cases = []
+    head, hb = _head()
+    hsm = fxshard.shard(copy.deepcopy(head), mesh, {}, example_inputs=hb, in_specs=(P("dp"), P("dp")), auto=True,
+                        memory_budget=_head_bytes(head) * 3 // 4, progress=False)
+    cases.append(("seed004", head, hsm, hb, (hb[0].chunk(world)[rank], hb[1].chunk(world)[rank])))
+    llama = models.LlamaDecoder(vocab=256, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
+    lb = (models.make_tokens(4, 16, 256, seed=3), models.make_tokens(4, 16, 256, seed=53))
+    budget = 0.7 * sum(p.numel() * 16 for p in llama.parameters()) + 64 * 2**10
+    lsm = fxshard.shard(copy.deepcopy(llama), mesh, {}, example_inputs=lb, in_specs=(P("dp"), P("dp")), auto=True,
+                        memory_budget=int(budget), progress=False)
+    cases.append(("llama", llama, lsm, lb, tuple(t.chunk(world)[rank] for t in lb)))
+    out = {}
+    for name, ref, shd, full_in, local_in in cases:
+        ref_loss = ref(*full_in)
+        ref_loss.backward()
+        loss = shd(*local_in)
+        loss.backward()
+        grads = {n: shd._dtensor(n, p.grad).full_tensor() for n, p in shd.named_parameters()}
+        out[name] = {"loss_err": abs(loss.item() - ref_loss.item()),
+                     "grad_err": max((grads[n] - ref.get_parameter(n).grad).abs().max().item() for n in grads),
+                     "n_grads": len(grads), "placements": dict(shd._placements),
+                     "chosen": [c.fqn for c in shd.sharding.auto.chosen]}
+    return out
+
+
+def test_auto_plans_train_like_unsharded():
+    for res in run_ranks(_train_auto, 2, timeout=600):
+        for name, r in res.items():
+            assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] > 0, (name, r)
+        assert res["seed004"]["placements"]["linear.weight"] == (S(0),)
+        assert res["llama"]["chosen"], res["llama"]  # the budget made the solver split something
