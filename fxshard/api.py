@@ -65,7 +65,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
     ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
     scipy, ``passes/solve.py``) instead of the greedy sweep; the default (None) is ``"greedy"``, or
-    ``"global"`` with ``auto=True``.
+    ``"global"`` when ``auto=True`` chose placements.
 
     Auto-sharding: ``auto=True`` completes ``plan`` (down to an empty one): every parameter it does
     not place is replicated or split on a mesh axis (tensor-parallel, or FSDP-style: stored split,
@@ -106,8 +106,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                                   or not bucket_mb >= 0):
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
-    planner = planner if planner is not None else "global" if auto else "greedy"
-    if planner not in PLANNERS:
+    if planner is not None and planner not in PLANNERS:
         raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     budget = parse_budget(memory_budget)
     if budget is not None and not auto:
@@ -118,7 +117,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                    bucket_mb, planner, auto, budget)
     progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
     if report is not None:  # sharding again for other modes keeps the chosen plan
-        req = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False)
+        req = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,
+                      planner=req.planner or "global")
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
     modules = _module_tree(model)
@@ -146,7 +146,7 @@ class _Request:
     dynamic_shapes: Any
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
-    planner: str = "greedy"
+    planner: Optional[str] = None  # None: "global" when auto chose placements, else "greedy"
     auto: bool = False
     budget: Optional[int] = None
 
@@ -188,7 +188,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
         param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget)
         ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                        constraints=recorded)
-    ctx.planner = req.planner
+    ctx.planner = req.planner or ("global" if report is not None else "greedy")
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}

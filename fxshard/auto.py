@@ -23,7 +23,6 @@ parameter is gathered into is not counted.
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import operator
 import re
@@ -34,7 +33,7 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from .consistency import check_same_on_all_ranks
+from .consistency import agree
 from .passes.joint import joint_context, trace_joint
 from .passes.propagate import propagate
 from .passes.trace import Traced
@@ -54,6 +53,7 @@ STATE_BYTES = 4  # each kept in fp32
 # the budget makes the MILP a knapsack: proving the last percent costs minutes, and the chosen layouts are
 # planned again (planner="global", the parameters fixed) when the model is sharded
 GAP = 0.01
+TIME_LIMIT = 60.0  # seconds; then the best plan found is taken, rank 0's on every rank
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -183,7 +183,7 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
     the free placeholder whose layout they take (gradients); ``trained`` names the free placeholders
     that get gradients; ``fixed_bytes`` the per-rank bytes of everything placed by the user;
     ``grad_outputs`` the output indices holding parameter gradients (not activations).
-    Ensures: FQN -> layout for every free parameter, the same on every rank (checked), whose
+    Ensures: FQN -> layout for every free parameter, the same on every rank (rank 0's), whose
     footprint fits ``budget``; a ShardingError with the smallest footprint otherwise."""
     t0 = time.perf_counter()
     sizes = tuple(ctx.mesh.sizes)
@@ -225,11 +225,9 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         if budget is not None:
             m.row(mem_terms, 0.0, (budget - base) / budget)
 
-    picks = solve_problem(problem, rounds=1, extend=extend, gap=GAP,
-                          admissible=lambda p: budget is None or footprint(p) <= budget)
+    picks = agree(solve_problem(problem, rounds=1, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
+                                admissible=lambda p: budget is None or footprint(p) <= budget), ctx.mesh)
     chosen = {name: layout(name, picks) for name in free}
-    check_same_on_all_ranks({"auto plan": hashlib.sha256(repr(sorted(chosen.items())).encode()).hexdigest()},
-                            ctx.mesh)
     total = plan_cost(problem, picks)
     entries, replicated = [], []
     for name, lay in chosen.items():

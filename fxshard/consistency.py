@@ -82,3 +82,18 @@ def _differences(ranks: list[int], everyone: list[dict[str, str]]) -> list[str]:
                     f"same plan, mesh, model, modes and input shapes"
                 )
     return out
+
+
+def agree(value: Any, mesh: "MeshInfo") -> Any:
+    """``value`` as the rank at mesh coordinate 0 on every axis has it, on every rank of ``mesh``
+    (broadcast along each axis in turn; unchanged on one process or the fake process group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return value
+    for g, size in zip(mesh.group_names, mesh.sizes):
+        if size > 1:
+            group = _resolve_process_group(g)
+            box = [value]
+            guard_collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0),
+                             "agreeing on the auto plan")
+            value = box[0]
+    return value

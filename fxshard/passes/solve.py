@@ -457,7 +457,8 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
 
 
 def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, extend=None,
-                  admissible=lambda picks: True, gap: float = 1e-6) -> dict[str, tuple[int, ...]]:
+                  admissible=lambda picks: True, gap: float = 1e-6, time_limit: Optional[float] = None
+                  ) -> dict[str, tuple[int, ...]]:
     """The chosen choice index per decision node and axis.
 
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
@@ -467,7 +468,8 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
     solve time on the ``fxshard.passes.solve`` logger (INFO). ``extend(model, x)`` adds columns and rows
     to each MILP (auto-sharding's memory budget); the greedy plan competes only if ``admissible(picks)``;
-    ``gap`` is HiGHS's relative optimality gap.
+    ``gap`` is HiGHS's relative optimality gap; with ``time_limit`` (seconds per MILP) the best solution
+    found by then is taken (wall-clock: ranks may differ, the caller must make them agree).
     """
     try:
         import numpy as np
@@ -490,8 +492,11 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
             res = milp(np.array(m.cost), integrality=np.array(m.integer),
                        bounds=Bounds(np.array(m.lb), np.array(m.ub)),
                        constraints=LinearConstraint(a, np.array(m.row_lb), np.array(m.row_ub)),
-                       options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": gap})
-            if res.x is None or not res.success:
+                       options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": gap,
+                                **({} if time_limit is None else {"time_limit": time_limit})})
+            if time_limit is not None and res.x is not None and res.status == 1:
+                LOG.info("MILP stopped at its time limit (%.0f s), gap %.3g", time_limit, getattr(res, "mip_gap", -1))
+            elif res.x is None or not res.success:
                 raise ShardingError(f"internal: the global planner's MILP found no plan ({res.message}); "
                                     f"use planner='greedy' and please report this model")
             picks = {name: tuple(int(np.argmax([res.x[i] for i in cols])) for cols in per_axis)
