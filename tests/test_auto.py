@@ -128,9 +128,9 @@ def _train_auto(rank: int, world: int) -> dict:
     hsm = fxshard.shard(copy.deepcopy(head), mesh, {}, example_inputs=hb, in_specs=(P("dp"), P("dp")), auto=True,
                         memory_budget=_head_bytes(head) * 3 // 4, progress=False)
     cases.append(("seed004", head, hsm, hb, (hb[0].chunk(world)[rank], hb[1].chunk(world)[rank])))
-    llama = models.LlamaDecoder(vocab=256, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
-    lb = (models.make_tokens(4, 16, 256, seed=3), models.make_tokens(4, 16, 256, seed=53))
-    budget = 0.7 * sum(p.numel() * 16 for p in llama.parameters()) + 64 * 2**10
+    llama = models.LlamaDecoder(vocab=2048, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
+    lb = (models.make_tokens(2, 16, 2048, seed=3), models.make_tokens(2, 16, 2048, seed=53))
+    budget = 0.65 * sum(p.numel() * 16 for p in llama.parameters()) + 640 * 2**10
     lsm = fxshard.shard(copy.deepcopy(llama), mesh, {}, example_inputs=lb, in_specs=(P("dp"), P("dp")), auto=True,
                         memory_budget=int(budget), progress=False)
     cases.append(("llama", llama, lsm, lb, tuple(t.chunk(world)[rank] for t in lb)))

@@ -69,3 +69,14 @@ def test_demo_runs_the_main_job_with_parity():
     r = run("demo", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "PARITY" in r.stdout and "all_reduce" in r.stdout
+
+
+def test_plan_auto_completes_an_empty_plan_within_the_budget():
+    """Seed 004's 100k-class head needs 781 MiB replicated (parameter, gradient, AdamW state): under a 600 MB
+    budget on dp=2 the solver splits it over the classes and the report says so."""
+    r = run("plan", "examples.seed004_big_head:planned", "--mesh", "dp=2", "--auto", "--memory-budget", "600MB")
+    assert r.returncode == 0, r.stderr
+    assert "auto plan: 2 entries chosen by the solver" in r.stdout, r.stdout
+    assert "linear.weight: (S(0),)  saves 390.62 MiB per rank" in r.stdout, r.stdout
+    r = run("plan", "examples.seed004_big_head:planned", "--mesh", "dp=2", "--auto", "--memory-budget", "1MB")
+    assert r.returncode == 2 and "no plan fits; the smallest footprint found is" in r.stderr, r.stderr
