@@ -54,6 +54,7 @@ STATE_BYTES = 4  # each kept in fp32
 # planned again (planner="global", the parameters fixed) when the model is sharded
 GAP = 0.01
 TIME_LIMIT = 60.0  # seconds; then the best plan found is taken, rank 0's on every rank
+ROUNDS = 1  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -225,7 +226,7 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         if budget is not None:
             m.row(mem_terms, 0.0, (budget - base) / budget)
 
-    picks = agree(solve_problem(problem, rounds=1, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
+    picks = agree(solve_problem(problem, rounds=ROUNDS, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
                                 admissible=lambda p: budget is None or footprint(p) <= budget), ctx.mesh)
     chosen = {name: layout(name, picks) for name in free}
     total = plan_cost(problem, picks)
