@@ -13,7 +13,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
-from .auto import AutoReport, complete_plan, parse_budget
+from .auto import AutoReport, complete_plan, measure, parse_budget
+from .memory import memory as memory_report
 from .consistency import fingerprint
 from .constrain import constraint_scope
 from .context import ShardContext
@@ -126,6 +127,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                        modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
                        reshard=None if getattr(model, "fxshard_fixed_modes", False)
                        else _resharder(model, info, req, placements, say), auto=report)
+    if report is not None:
+        sm._auto = measure(report, memory_report(sm, "adamw"))
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "

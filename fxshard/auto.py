@@ -15,18 +15,22 @@ splits shard optimizer state like the parameter). Per-axis choices make ``1/f`` 
 parameter also gets one continuous variable per N-D layout, tied to its per-axis binaries. The
 constant part: the placed parameters and buffers, and the activation peak, estimated as the
 largest sum of values live at once in the planned graph (forward + backward for training) with
-the data-parallel layouts of the greedy plan (every free parameter replicated): an upper bound,
-as tensor-parallel layouts only shrink activations; the transient full copy an FSDP-style
-parameter is gathered into is not counted.
+the data-parallel layouts of the greedy plan (every free parameter replicated), parameter
+gradients left out. It is made before the plan exists and is not a bound: the chosen layouts change
+the activations (gathers, partial sums) and the transient full copy an FSDP-style parameter is
+gathered into is not counted. ``measure`` checks the sharded result with ``fxshard.memory`` and
+warns when it exceeds the budget.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import operator
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -46,7 +50,7 @@ from .placements import Pl, R, S
 from .spec import Spec
 from .passes.solve import UNIT, build_problem, plan_cost, solve_problem
 
-__all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "ADAMW_STATES", "STATE_BYTES"]
+__all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "measure", "ADAMW_STATES", "STATE_BYTES"]
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq per trained parameter element
 STATE_BYTES = 4  # each kept in fp32
@@ -54,7 +58,7 @@ STATE_BYTES = 4  # each kept in fp32
 # planned again (planner="global", the parameters fixed) when the model is sharded
 GAP = 0.01
 TIME_LIMIT = 60.0  # seconds; then the best plan found is taken, rank 0's on every rank
-ROUNDS = 1  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py)
+ROUNDS = 3  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -108,6 +112,7 @@ class AutoReport:
     comm: float
     comm_replicated: float
     seconds: float
+    measured: Optional[int] = None  # the sharded result's footprint (fxshard.memory, AdamW), once known
 
     def lines(self) -> list[str]:
         budget = "no budget" if self.budget is None else f"budget {_fmt(self.budget)}"
@@ -115,6 +120,9 @@ class AutoReport:
                f"replicated; memory per rank {_fmt(self.footprint)} ({budget}; activation peak estimate "
                f"{_fmt(self.activation_peak)}); comm estimate {_fmt(self.comm)} vs {_fmt(self.comm_replicated)} "
                f"with every free parameter replicated; solved in {self.seconds:.1f} s"]
+        if self.measured is not None:
+            out.append(f"  measured on the sharded result (fxshard.memory, AdamW, the larger program peak): "
+                       f"{_fmt(self.measured)} per rank")
         for c in self.chosen:
             delta = f"adds {_fmt(c.comm_delta)}" if c.comm_delta >= 0 else f"saves {_fmt(-c.comm_delta)}"
             out.append(f"  {c.fqn}: {c.placements}  saves {_fmt(c.memory_saved)} per rank; {delta} of communication")
@@ -283,3 +291,16 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
     chosen, report = choose_placements(gm, pctx, {rename[k]: v for k, v in free.items()}, tied,
                                        {rename[k] for k in trained}, fixed, budget, grad_outputs)
     return {**param_pls, **chosen}, report
+
+
+def measure(report: AutoReport, mem: dict[str, int]) -> AutoReport:
+    """``report`` with the footprint ``fxshard.memory(sm, "adamw")`` gives for the result (state plus the
+    largest program peak); warns when that exceeds the budget (the activation estimate was low)."""
+    peak = max(v for k, v in mem.items() if k.endswith("_peak"))
+    measured = mem["params"] + mem["buffers"] + mem["grads"] + mem["optimizer"] + peak
+    if report.budget is not None and measured > report.budget:
+        warnings.warn(f"fxshard auto: the sharded model needs {_fmt(measured)} per rank by fxshard.memory (its "
+                      f"activation peak {_fmt(peak)}, estimated {_fmt(report.activation_peak)} when planning), over "
+                      f"memory_budget={_fmt(report.budget)}; lower the budget by the difference to leave room, or "
+                      f"split the activations (in_specs)", stacklevel=3)
+    return dataclasses.replace(report, measured=measured)
