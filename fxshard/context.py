@@ -22,7 +22,8 @@ class ShardContext:
     have (None: whatever propagation chose). ``fallbacks`` lists ops computed
     replicated for lack of a rule. ``constraints`` maps ``fxshard::constrain`` keys to the
     placements they pin (None: axis left free). ``planner`` is ``"greedy"`` (propagate's sweep) or
-    ``"global"`` (the solve pass re-plans the graph with a MILP).
+    ``"global"`` (the solve pass re-plans the graph with a MILP). ``bucket_mb`` is the gradient bucket
+    size of backward programs in MiB (``passes/bucket.py``; None: one collective per gradient).
     """
 
     mesh: MeshInfo
@@ -32,6 +33,7 @@ class ShardContext:
     fallbacks: list[str] = field(default_factory=list)
     label: str = "forward"
     planner: str = "greedy"
+    bucket_mb: Optional[float] = None
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:
