@@ -245,7 +245,7 @@ class ShardedFunction:
         for node, leaf in zip(placeholders, [l for l in leaves if l.is_tensor]):
             node._rename("in_" + _ident(leaf.path))
             node.target = node.name  # the argument name in the generated code, too
-            seeds[node.name] = leaf.pls
+            seeds[node] = leaf.pls
         out_required = required_outputs(graph_outputs(gm), out_tree, self._out_specs, info, even_why=_JIT_EVEN)
         # fxshard.constrain calls in fn mean what they mean in shard()
         ctx = context_for(gm, info, seeds, out_required, recorded)

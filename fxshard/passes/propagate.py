@@ -89,7 +89,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         val = node.meta.get("val")
         if node.op == "placeholder":
             if isinstance(val, torch.Tensor):
-                pls = ctx.seeds.get(node.name, (R,) * k)
+                pls = ctx.seeds.get(node, (R,) * k)
                 spec = Spec(tuple(pls), sym_shape(val), val.dtype)
                 if not split_ok(spec.shape, spec.placements, sizes, uneven=True):
                     raise ShardingError(
