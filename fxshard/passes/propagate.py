@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 import warnings
+from contextvars import ContextVar
 from typing import Sequence
 
 import torch
@@ -38,7 +39,9 @@ from ..symbolic import is_concrete, sym_shape
 
 __all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
 
-_WARNED: set[str] = set()
+# the ops whose fallback has been warned about in this context (an immutable set: a context copied
+# with contextvars starts from its parent's and adds its own)
+_WARNED: ContextVar[frozenset] = ContextVar("fxshard_fallback_warned", default=frozenset())
 
 
 def _nbytes(val: torch.Tensor) -> float:
@@ -61,8 +64,9 @@ def _dynamic_hint(shape: Sequence, pls: Sequence[Pl], sizes: Sequence[int]) -> s
 def _warn_fallback(ctx: ShardContext, node: fx.Node) -> None:
     name = str(node.target)
     ctx.fallbacks.append(name)
-    if name not in _WARNED:
-        _WARNED.add(name)
+    warned = _WARNED.get()
+    if name not in warned:
+        _WARNED.set(warned | {name})
         warnings.warn(
             f"fxshard: no sharding rule for {name}; computing it on replicated inputs (all-gathered first). "
             f"The result is correct but costs communication and memory; see fxshard.explain() for where it runs.",
