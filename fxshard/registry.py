@@ -19,12 +19,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
-from .placements import Pl, R
+from .placements import Pl, R, S
 from .spec import Spec, split_ok
 from .symbolic import Dim, sym_shape
 
 __all__ = ["Strategy", "OpCall", "Rule", "register", "lookup", "allows_uneven", "tensor_inputs", "registered_ops",
-           "strategy_valid", "strategy_specs"]
+           "strategy_valid", "strategy_specs", "outer_of", "split_outers"]
 
 OutPl = Union[Pl, tuple[Optional[Pl], ...], None]
 
@@ -172,6 +172,20 @@ def output_leaves(out_node: fx.Node) -> list[Any]:
 
     walk(out_node.args[0])
     return res
+
+
+def outer_of(p: Pl, dim: int) -> int:
+    """The strided-split factor a split of ``dim`` keeps when its input is laid out ``p``: ``p.outer``
+    when ``p`` splits ``dim`` (``S(dim, outer)``, a packed dim), else 1 (a plain split). Rules offer
+    ``S(dim, outer_of(p, dim))`` so a packed dim stays packed (see ``placements.py``)."""
+    return p.outer if isinstance(p, S) and p.dim == dim else 1
+
+
+def split_outers(pairs: Iterable[tuple[Pl, Optional[int]]]) -> list[int]:
+    """The split factors one dim may be split with, ascending: 1 (a plain split) and the outer factor
+    of every strided split among ``(placement, dim)`` pairs, where ``dim`` is the dim in question as
+    that input numbers it (None: the input does not have it)."""
+    return sorted({1} | {outer_of(p, d) for p, d in pairs if d is not None})
 
 
 def _pad(pls: Sequence[Pl], k: int) -> tuple[Pl, ...]:

@@ -10,7 +10,7 @@ from ..context import ShardContext
 from ..ir import META_KEY
 from ..lowering import Lowering, chunk_start, set_arg, shifted_index, zero_misses_after
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dim, register, tensor_inputs
+from ..registry import OpCall, Strategy, norm_dim, outer_of, register, tensor_inputs
 from ..spec import can_split
 from ..symbolic import equal
 
@@ -88,7 +88,7 @@ def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
         res.append(Strategy((S(0), R), Part(), lowering=MASKED_EMBEDDING))
     cur = call.in_pls[1]
     for i, size in enumerate(idx):
-        o = cur.outer if isinstance(cur, S) and cur.dim == i else 1
+        o = outer_of(cur, i)
         if can_split(size, n, o):
             res.append(Strategy((R, S(i, o)), S(i, o)))
     return res

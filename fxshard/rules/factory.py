@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register
+from ..registry import OpCall, Strategy, outer_of, register
 
 aten = torch.ops.aten
 
@@ -36,6 +36,6 @@ def like_rule(call: OpCall, n: int) -> list[Strategy]:
         res.append(Strategy((Part(op),), R))
     cur = call.in_pls[0]
     for d in range(len(call.in_shapes[0])):
-        o = cur.outer if isinstance(cur, S) and cur.dim == d else 1
+        o = outer_of(cur, d)
         res.append(Strategy((S(d, o),), S(d, o)))
     return res

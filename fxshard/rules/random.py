@@ -63,7 +63,7 @@ from ..context import ShardContext, runtime_device
 from ..ir import INSERTED_KEY, META_KEY, STRATEGY_KEY
 from ..lowering import Lowering
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register, tensor_inputs
+from ..registry import OpCall, Strategy, outer_of, register, tensor_inputs
 from ..spec import Spec, local_shape, shard_factor
 from ..symbolic import is_concrete
 
@@ -134,7 +134,7 @@ def _splits(call: OpCall, lowering) -> list[tuple]:
     cur = call.in_pls[0]
     res = []
     for d in range(len(call.in_shapes[0])):
-        o = cur.outer if isinstance(cur, S) and cur.dim == d else 1
+        o = outer_of(cur, d)
         res.append((S(d, o), S(d, o), lowering))
     return res
 
