@@ -75,12 +75,13 @@ _RULES: dict[Any, Rule] = {}
 _UNEVEN: set = set()
 
 
-def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None, *, uneven: bool = False):
+def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None, *, uneven: bool = True):
     """Register ``rule`` for each OpOverload in ``ops`` (usable as a decorator).
 
-    ``uneven=True`` declares the rule's split strategies correct when a split dim is cut unevenly
-    (``torch.chunk`` semantics, per-rank local sizes); propagation offers uneven splits only to such
-    ops. Raises ShardingError when an op already has a rule: one op, one rule.
+    By default a rule's split strategies must be correct when a split dim is cut unevenly
+    (``torch.chunk`` semantics, per-rank local sizes; the validator and the OpInfo sweep cut dims
+    unevenly to check). ``uneven=False`` opts out: propagation then offers the op only splits that
+    divide. Raises ShardingError when an op already has a rule: one op, one rule.
     """
     ops_list = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
 

@@ -21,12 +21,12 @@ LIKE = [
 ]
 
 
-@register(FRESH, uneven=True)
+@register(FRESH)
 def fresh_rule(call: OpCall, n: int) -> list[Strategy]:
     return [Strategy((R,) * len(call.in_shapes), R)]
 
 
-@register(LIKE, uneven=True)
+@register(LIKE)
 def like_rule(call: OpCall, n: int) -> list[Strategy]:
     """Same split as the input for ``*_like`` (shape follows the input); new_* sizes are explicit."""
     if call.node.target in (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default):

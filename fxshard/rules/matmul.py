@@ -57,7 +57,7 @@ def _einsum_rule(call: OpCall, n: int) -> list[Strategy]:
     return einsum_strategies(EINSUMS[call.node.target], call, n)
 
 
-register(list(EINSUMS), _einsum_rule, uneven=True)
+register(list(EINSUMS), _einsum_rule)
 
 
 # ``beta * bias + alpha * contraction``: the bias broadcasts into the output
@@ -69,7 +69,7 @@ ADD_EINSUMS = {
 }
 
 
-@register(list(ADD_EINSUMS), uneven=True)
+@register(list(ADD_EINSUMS))
 def add_einsum_rule(call: OpCall, n: int) -> list[Strategy]:
     """``bias + contraction``: the contraction's strategies, with the bias following the output placement."""
     res = []

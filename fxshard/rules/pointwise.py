@@ -158,4 +158,4 @@ def _first_output(call: OpCall) -> OpCall:
 
 for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("grad", GRAD),
                       ("nonlinear", NONLINEAR)):
-    register(_overloads(_names), pointwise_rule(_kind), uneven=True)
+    register(_overloads(_names), pointwise_rule(_kind))

@@ -143,7 +143,7 @@ def _rest(call: OpCall) -> tuple:
     return (R,) * (len(call.in_shapes) - 1)
 
 
-@register(DROPOUT, uneven=True)
+@register(DROPOUT)
 def dropout_rule(call: OpCall, n: int) -> list[Strategy]:
     """``(out, mask)``: follows the input's split (global mask, local chunk) or keeps ``P(sum)``."""
     train = call.arg(2, "train", None)
@@ -154,7 +154,7 @@ def dropout_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(SHAPE_ONLY, uneven=True)
+@register(SHAPE_ONLY)
 def shape_only_rule(call: OpCall, n: int) -> list[Strategy]:
     """The draw follows the input's split (global draw, local chunk); a Partial input only lends its shape."""
     res = [Strategy((R,) + _rest(call), R)]

@@ -151,7 +151,7 @@ def _partial_of(call: OpCall, spec: Reduce) -> Optional[str]:
     return spec.partial
 
 
-@register(list(REDUCTIONS), uneven=True)
+@register(list(REDUCTIONS))
 def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
     spec = REDUCTIONS[call.node.target]
     split_partial = _partial_of(call, spec)

@@ -285,10 +285,10 @@ VIEW_OPS = {
     _repeat: [aten.repeat.default],
 }
 for _mapper, _ops in VIEW_OPS.items():
-    register(_ops, _mapped_rule(_mapper), uneven=True)
+    register(_ops, _mapped_rule(_mapper))
 
 
-@register(aten.cat.default, uneven=True)
+@register(aten.cat.default)
 def cat_rule(call: OpCall, n: int) -> list[Strategy]:
     """Concatenation: inputs split alike on a dim other than the cat dim, or all Partial."""
     k = len(call.in_shapes)
