@@ -26,7 +26,7 @@ from .replicas import check_replicas, communicates, from_source, sentinel
 from .context import runtime_device
 from .frontend import check_consistent, graph_outputs, required_outputs
 from .passes.annotate import annotate
-from .passes.bucket import DEFAULT_BUCKET_MB, bucket_gradients
+from .passes.bucket import DEFAULT_BUCKET_MB
 from .passes.joint import partition, trace_joint
 from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
@@ -162,11 +162,11 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     for node, slot in zip(placeholders, traced.slots):
         for name in slot.names if slot.kind in ("param", "buffer") else ():
-            placements[name] = ctx.seeds[node.name]
+            placements[name] = ctx.seeds[node]
             shapes[name] = sym_shape(node.meta["val"])
     ins = [(slot.index, node) for node, slot in zip(placeholders, traced.slots) if slot.kind == "input"]
     check = InputCheck.from_placeholders([i for i, _ in ins], [n.meta.get("val") for _, n in ins],
-                                         [ctx.seeds.get(n.name, (R,) * k) for _, n in ins], info)
+                                         [ctx.seeds.get(n, (R,) * k) for _, n in ins], info)
 
     leaves = pytree.tree_leaves((tuple(example_inputs), kwargs))
     wants_grad = [
@@ -245,20 +245,19 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     joint = trace_joint(traced, traced.gm, wants_grad)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner,
+                        bucket_mb=bucket_mb)
     for f, j in zip(fwd_ph, joint_ph):
-        if f.name in ctx.seeds:
-            jctx.seeds[j.name] = ctx.seeds[f.name]
+        if f in ctx.seeds:
+            jctx.seeds[j] = ctx.seeds[f]
     k = len(ctx.mesh.sizes)
     for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
-        jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
-    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
+        jctx.seeds[t] = ctx.out_required[i] or (R,) * k
+    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i]) for i in joint.diff_in]
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm)
-    if bucket_mb is not None:  # the backward's gradient collectives, before per-program passes reorder it
-        bucket_gradients(split.bwd, int(bucket_mb * 2**20))
-    fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx)
+    fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx, "backward")
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(fwd, "forward", fb), Program(bwd, "backward", fb), joint.n_out,

@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ShardingError
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
 from ..registry import output_leaves
-from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_error
+from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
 
 __all__ = ["Joint", "trace_joint", "partition", "Split"]
 
@@ -202,20 +202,16 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
 
     interp = _Differentiable(fwd_gm)
     table = joint_decomposition_table()  # core ATen, fused kernels that have rules kept
-    try:
-        with quiet_unless_ok(), torch.enable_grad(), enable_python_dispatcher(), \
-                FunctionalTensorMode(_allow_token_discovery=True):
-            gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(
-                primals, tangents)
-    except ShardingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
-        at = interp.at
-        raise tracing_error(
-            f"the training graph (forward + backward){f' at {at.target}' if at is not None else ''}", e,
+    at = lambda: interp.at  # noqa: E731 - the node being traced when the trace fails
+    with tracing_errors(
+            lambda: f"the training graph (forward + backward){f' at {at().target}' if at() is not None else ''}",
             "if no gradient is needed there, compute it under torch.no_grad() or on .detach()-ed values; to shard "
             "for inference only, set requires_grad=False on the parameters and example inputs",
-            where=(source_line(at) or at.name) if at is not None else None) from None
+            where=lambda: (source_line(at()) or at().name) if at() is not None else None), \
+            quiet_unless_ok(), torch.enable_grad(), enable_python_dispatcher(), \
+            FunctionalTensorMode(_allow_token_discovery=True):
+        gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(
+            primals, tangents)
     _reject_effect_tokens(gm)
     gm = _name_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
