@@ -298,7 +298,7 @@ def partition(joint: Joint, gm: fx.GraphModule, remat: str = "none", sizes: Sequ
             if a in cheap:
                 if a not in recompute:
                     recompute.add(a)
-                    todo.extend(a.all_input_nodes)
+                    todo.extend(reversed(a.all_input_nodes))  # visited in input order
             elif a in needed and a not in saved:
                 saved.append(a)
 
