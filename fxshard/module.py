@@ -242,7 +242,9 @@ class ShardedModule(nn.Module):
     Parameters and buffers are the local shards, registered under the
     original FQNs (tied parameters are one Parameter under each name), and
     every submodule of the original model has a stand-in (:class:`Scope`) under
-    its FQN. ``forward`` takes this rank's local inputs (laid out per
+    its FQN that owns its local shards; stand-ins of containers index and
+    iterate (:class:`ScopeList`, :class:`ScopeDict`), and FSDP2's
+    ``fully_shard`` applies to them (see ``forward``). ``forward`` takes this rank's local inputs (laid out per
     ``in_specs``) and returns local outputs (per ``out_specs``, replicated by
     default).
 
