@@ -141,10 +141,10 @@ class _Request:
     remat: str = "none"
 
 
-def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
-    """``(fqn, type name, training, first fqn of the same module)`` per submodule, in pre-order."""
+def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str]]:
+    """``(fqn, type, training, first fqn of the same module)`` per submodule, in pre-order."""
     first: dict[int, str] = {}
-    return [(fqn, type(m).__name__, m.training, first.setdefault(id(m), fqn))
+    return [(fqn, type(m), m.training, first.setdefault(id(m), fqn))
             for fqn, m in model.named_modules(remove_duplicate=False)]
 
 

@@ -202,9 +202,11 @@ class ScopeDict(Scope):
         return list(self._modules.items())
 
 
-def _scope(kind: str, fqn: str) -> Scope:
-    cls = ScopeList if kind in ("ModuleList", "Sequential") else ScopeDict if kind == "ModuleDict" else Scope
-    return cls(kind, fqn)
+def _scope(kind: type, fqn: str) -> Scope:
+    """The stand-in of a submodule of type ``kind`` (subclasses of the containers included)."""
+    cls = (ScopeList if issubclass(kind, (nn.ModuleList, nn.Sequential)) else
+           ScopeDict if issubclass(kind, nn.ModuleDict) else Scope)
+    return cls(kind.__name__, fqn)
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:
@@ -259,7 +261,7 @@ class ShardedModule(nn.Module):
 
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
-                 modules: Sequence[tuple[str, str, bool, str]] = (), name: str = "model",
+                 modules: Sequence[tuple[str, type, bool, str]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool]], Programs]] = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
         super().__init__()

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
+from fxshard import ColwiseParallel
 from fxshard.errors import ShardingError
 from tests import models
 from tests.test_forward_parity import transformer_plan
@@ -72,3 +73,28 @@ def test_layers_recompute_layer_ops_but_never_random_draws(mesh2):
     assert none_bwd.count(aten.tanh.default) == 0 and layers_bwd.count(aten.tanh.default) == 3
     assert all(torch.Tag.nondeterministic_seeded not in getattr(t, "tags", ()) for t in layers_bwd)
     assert _ops(progs["layers"].fwd.gm).count(aten.native_dropout.default) == 3
+
+
+class _Blocks(nn.ModuleList):
+    pass
+
+
+class _Heads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = _Blocks([nn.Linear(8, 8) for _ in range(2)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(8, 4), "b": nn.Linear(8, 4)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.heads["a"](x) + self.heads["b"](x)
+
+
+def test_container_subclasses_and_module_dicts_index_like_the_model(mesh2):
+    sm = fxshard.shard(_Heads(), mesh2, {"blocks.*": ColwiseParallel()}, example_inputs=(torch.randn(4, 8),))
+    assert len(sm.blocks) == 2 and sm.blocks[1] is list(sm.blocks)[1] and repr(sm.blocks).startswith("_Blocks(")
+    assert tuple(sm.blocks[0].weight.shape) == (4, 8)
+    assert list(sm.heads) == ["a", "b"] and "b" in sm.heads and sm.heads["b"] is dict(sm.heads.items())["b"]
+    with pytest.raises(ShardingError, match="has no module 'c'"):
+        sm.heads["c"]
