@@ -147,7 +147,11 @@ def _min_cut(g: fx.Graph, forward: set[fx.Node], reads: set[fx.Node], sizes: Seq
             net.add_edge((n, "out"), sink)
     if sink not in net:
         return set()
-    _, (reached, _) = nx.minimum_cut(net, src, sink)
+    try:
+        _, (reached, _) = nx.minimum_cut(net, src, sink)
+    except nx.NetworkXException as e:  # an unbounded cut would be a bug of the graph above, not the user's
+        raise ShardingError(f"internal: remat='auto' found no finite cut of the training graph ({e}); use "
+                            f"remat='layers' or 'none' and please report this model") from None
     return {n for n in forward if n.op == "call_function" and (n, "in") in net and (n, "in") not in reached}
 
 
