@@ -32,6 +32,7 @@ from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
 from .progress import Progress, reporter
+from .remat import check_policy
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
 from .spec import local_shape
@@ -43,7 +44,7 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy",
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "greedy", remat: str = "none",
           progress: Progress = None, pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -68,6 +69,13 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     FSDP-style specs) are packed into buckets of at most ``bucket_mb`` MiB (default 25, DDP's
     ``bucket_cap_mb``), each issued as soon as its last gradient is computed, so it overlaps the
     rest of the backward; ``bucket_mb=None`` issues one collective per gradient at the end.
+
+    Activation checkpointing: ``remat`` is the policy by which the training program's partition trades
+    saved activations for recomputation in the backward (``fxshard.remat``): ``"none"`` (default) saves
+    every activation the backward reads, ``"layers"`` recomputes each layer's forward (an element of a
+    ``ModuleList``/``Sequential``) in its backward from the layer's saved input, ``"auto"`` recomputes
+    cheap elementwise ops and views where that lowers the saved bytes (a min-cut). Random draws are never
+    recomputed: gradients are those of ``"none"``. ``fxshard.memory(sm)["saved"]`` reports the result.
 
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
@@ -95,11 +103,12 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                                   or not bucket_mb >= 0):
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
+    check_policy(remat)
     if planner not in PLANNERS:
         raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
-                   bucket_mb, planner)
+                   bucket_mb, planner, remat)
     progs, placements, shapes, runtime = _shard_programs(model, info, req, say)
     say("allocating local shards")
     tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
@@ -129,12 +138,13 @@ class _Request:
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
     planner: str = "greedy"
+    remat: str = "none"
 
 
-def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
-    """``(fqn, type name, training, first fqn of the same module)`` per submodule, in pre-order."""
+def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str]]:
+    """``(fqn, type, training, first fqn of the same module)`` per submodule, in pre-order."""
     first: dict[int, str] = {}
-    return [(fqn, type(m).__name__, m.training, first.setdefault(id(m), fqn))
+    return [(fqn, type(m), m.training, first.setdefault(id(m), fqn))
             for fqn, m in model.named_modules(remove_duplicate=False)]
 
 
@@ -176,7 +186,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     ]
     training = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb)
+        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb, req.remat)
     say("sharding the inference program")
     gm = req.pipeline(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
@@ -208,7 +218,8 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner)
+                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner,
+                   req.remat)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -239,7 +250,7 @@ def _mode_text(modes: dict[str, bool]) -> str:
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
                     say: Callable[[str], None], pipeline: Pipeline,
-                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB) -> Training:
+                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, remat: str = "none") -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
@@ -256,7 +267,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i]) for i in joint.diff_in]
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
-    split = partition(joint, gm)
+    split = partition(joint, gm, remat, ctx.mesh.sizes)
     fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx, "backward")
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
