@@ -28,12 +28,13 @@ from .replicas import check_replicas, communicates, from_source, sentinel
 from .context import runtime_device
 from .frontend import check_consistent, graph_outputs, required_outputs
 from .passes.annotate import annotate
-from .passes.bucket import DEFAULT_BUCKET_MB, bucket_gradients
+from .passes.bucket import DEFAULT_BUCKET_MB
 from .passes.joint import joint_context, partition, trace_joint
 from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
 from .progress import Progress, reporter
+from .remat import check_policy
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
 from .spec import local_shape
@@ -45,8 +46,8 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: Optional[str] = None, auto: bool = False,
-          memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: Optional[str] = None, remat: str = "none",
+          auto: bool = False, memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
           pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -81,6 +82,13 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     ``bucket_cap_mb``), each issued as soon as its last gradient is computed, so it overlaps the
     rest of the backward; ``bucket_mb=None`` issues one collective per gradient at the end.
 
+    Activation checkpointing: ``remat`` is the policy by which the training program's partition trades
+    saved activations for recomputation in the backward (``fxshard.remat``): ``"none"`` (default) saves
+    every activation the backward reads, ``"layers"`` recomputes each layer's forward (an element of a
+    ``ModuleList``/``Sequential``) in its backward from the layer's saved input, ``"auto"`` recomputes
+    cheap elementwise ops and views where that lowers the saved bytes (a min-cut). Random draws are never
+    recomputed: gradients are those of ``"none"``. ``fxshard.memory(sm)["saved"]`` reports the result.
+
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
     from it, one at a time, and every rank keeps its slice, so an unseeded model gives the result
@@ -107,6 +115,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                                   or not bucket_mb >= 0):
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
+    check_policy(remat)
     if planner is not None and planner not in PLANNERS:
         raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     budget = parse_budget(memory_budget)
@@ -115,7 +124,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                             f"fxshard complete the plan within it, or drop memory_budget")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
-                   bucket_mb, planner, auto, budget)
+                   bucket_mb, planner, remat, auto, budget)
     progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
     if report is not None:  # sharding again for other modes keeps the chosen plan
         req = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,
@@ -150,14 +159,15 @@ class _Request:
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
     planner: Optional[str] = None  # None: "global" when auto chose placements, else "greedy"
+    remat: str = "none"
     auto: bool = False
     budget: Optional[int] = None
 
 
-def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
-    """``(fqn, type name, training, first fqn of the same module)`` per submodule, in pre-order."""
+def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str]]:
+    """``(fqn, type, training, first fqn of the same module)`` per submodule, in pre-order."""
     first: dict[int, str] = {}
-    return [(fqn, type(m).__name__, m.training, first.setdefault(id(m), fqn))
+    return [(fqn, type(m), m.training, first.setdefault(id(m), fqn))
             for fqn, m in model.named_modules(remove_duplicate=False)]
 
 
@@ -198,15 +208,15 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     for node, slot in zip(placeholders, traced.slots):
         for name in slot.names if slot.kind in ("param", "buffer") else ():
-            placements[name] = ctx.seeds[node.name]
+            placements[name] = ctx.seeds[node]
             shapes[name] = sym_shape(node.meta["val"])
     ins = [(slot.index, node) for node, slot in zip(placeholders, traced.slots) if slot.kind == "input"]
     check = InputCheck.from_placeholders([i for i, _ in ins], [n.meta.get("val") for _, n in ins],
-                                         [ctx.seeds.get(n.name, (R,) * k) for _, n in ins], info)
+                                         [ctx.seeds.get(n, (R,) * k) for _, n in ins], info)
 
     training = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb)
+        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb, req.remat)
     say("sharding the inference program")
     gm = req.pipeline(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
@@ -239,7 +249,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
         skeleton, why = None, f"{type(e).__name__}: {e}"
     req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
                    req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner,
-                   req.auto, req.budget)
+                   req.remat, req.auto, req.budget)
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
@@ -270,17 +280,15 @@ def _mode_text(modes: dict[str, bool]) -> str:
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
                     say: Callable[[str], None], pipeline: Pipeline,
-                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB) -> Training:
+                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, remat: str = "none") -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
-    jctx = joint_context(traced, ctx, joint)
+    jctx = joint_context(traced, ctx, joint, bucket_mb)
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
-    split = partition(joint, gm)
-    if bucket_mb is not None:  # the backward's gradient collectives, before per-program passes reorder it
-        bucket_gradients(split.bwd, int(bucket_mb * 2**20))
-    fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx)
+    split = partition(joint, gm, remat, ctx.mesh.sizes)
+    fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx, "backward")
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(fwd, "forward", fb), Program(bwd, "backward", fb), joint.n_out,

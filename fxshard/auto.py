@@ -271,7 +271,7 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
         if slot.kind == "param" and not any(n in param_pls for n in slot.names):
             free[node.name] = list(slot.names)
         else:
-            fixed += state_bytes(node.meta["val"], ctx.seeds[node.name], sizes, slot.kind == "param" and w)
+            fixed += state_bytes(node.meta["val"], ctx.seeds[node], sizes, slot.kind == "param" and w)
     if not free:
         return param_pls, None
     trained = {node.name for node, w in zip(fwd_ph, wants_grad) if w and node.name in free}
@@ -284,9 +284,12 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
                 if fwd_ph[i].name in free}
         grad_outputs = {len(ctx.out_required) + m for m, i in enumerate(joint.diff_in) if traced.slots[i].kind == "param"}
     else:
-        gm, rename, tied, grad_outputs = copy.deepcopy(traced.gm), {f.name: f.name for f in fwd_ph}, {}, set()
-        pctx = ShardContext(mesh=ctx.mesh, label=ctx.label, seeds=dict(ctx.seeds), out_required=list(ctx.out_required),
-                            constraints=dict(ctx.constraints))
+        gm, tied, grad_outputs = copy.deepcopy(traced.gm), {}, set()
+        copy_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        rename = {f.name: c.name for f, c in zip(fwd_ph, copy_ph)}
+        pctx = ShardContext(mesh=ctx.mesh, label=ctx.label, seeds={c: ctx.seeds[f] for f, c in zip(fwd_ph, copy_ph)
+                                                                  if f in ctx.seeds},
+                            out_required=list(ctx.out_required), constraints=dict(ctx.constraints))
     propagate(gm, pctx)
     chosen, report = choose_placements(gm, pctx, {rename[k]: v for k, v in free.items()}, tied,
                                        {rename[k] for k in trained}, fixed, budget, grad_outputs)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.fx as fx
 
 from .mesh import MeshInfo
 from .placements import Pl
@@ -17,21 +18,23 @@ __all__ = ["ShardContext", "runtime_device"]
 class ShardContext:
     """Inputs to and notes from the pass pipeline.
 
-    ``seeds`` maps placeholder (or constrained node) names to frozen
-    placements; ``out_required[i]`` is the placements output leaf ``i`` must
+    ``seeds`` maps placeholder nodes to their frozen placements (keyed by node, as the
+    graph's meta is); ``out_required[i]`` is the placements output leaf ``i`` must
     have (None: whatever propagation chose). ``fallbacks`` lists ops computed
     replicated for lack of a rule. ``constraints`` maps ``fxshard::constrain`` keys to the
     placements they pin (None: axis left free). ``planner`` is ``"greedy"`` (propagate's sweep) or
-    ``"global"`` (the solve pass re-plans the graph with a MILP).
+    ``"global"`` (the solve pass re-plans the graph with a MILP). ``bucket_mb`` is the gradient bucket
+    size of backward programs in MiB (``passes/bucket.py``; None: one collective per gradient).
     """
 
     mesh: MeshInfo
-    seeds: dict[str, tuple[Pl, ...]] = field(default_factory=dict)
+    seeds: dict[fx.Node, tuple[Pl, ...]] = field(default_factory=dict)
     out_required: list[Optional[tuple[Pl, ...]]] = field(default_factory=list)
     constraints: dict[str, tuple[Optional[Pl], ...]] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     label: str = "forward"
     planner: str = "greedy"
+    bucket_mb: Optional[float] = None
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:

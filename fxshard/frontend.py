@@ -70,7 +70,7 @@ def graph_outputs(gm: fx.GraphModule) -> list[Any]:
     return output_leaves(next(n for n in gm.graph.nodes if n.op == "output"))
 
 
-def context_for(gm: fx.GraphModule, mesh: MeshInfo, seeds: dict[str, tuple[Pl, ...]],
+def context_for(gm: fx.GraphModule, mesh: MeshInfo, seeds: dict[fx.Node, tuple[Pl, ...]],
                 out_required: list[Optional[tuple[Pl, ...]]], constraints: dict[str, Any],
                 label: str = "forward") -> ShardContext:
     """The pipeline's context for ``gm``: its seeds, required outputs and the placements its

@@ -13,9 +13,9 @@ Tracing (``ShardedFunction._trace``) requires a pure ``fn`` and ensures a
 functional core-ATen graph with one placeholder per tensor leaf of the
 arguments (in pytree order, named after the argument path, e.g.
 ``in_params_net1_weight``) and one output per leaf of the result:
-``make_fx(fn, tracing_mode="fake")`` with the core-ATen table plus
-``fxshard.passes.trace.decomposition_table()`` (and ``scatter.value`` rewritten
-into ops that have rules), attention on the math SDPA backend so its backward is
+``make_fx(fn, tracing_mode="fake")`` with the table the training graph of
+``fxshard.shard`` is traced with (``fxshard.passes.trace.joint_decomposition_table()``:
+fused kernels that have rules kept, ``scatter.value`` rewritten into ops that have rules), attention on the math SDPA backend so its backward is
 plain ATen; a graph with in-place ops is traced again under ``functionalize``
 (``functionalize`` is not the outer transform of the first trace because it
 rejects the autograd.Function ``fxshard.constrain`` differentiates through
@@ -27,7 +27,6 @@ do under ``fxshard.shard``.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import re
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._decomp import core_aten_decompositions
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -54,7 +52,7 @@ from .mesh import MeshInfo
 from .module import Program
 from .frontend import check_consistent, context_for, graph_outputs, required_outputs
 from .passes.annotate import check_divisible, spec_leaves
-from .passes.trace import DROP, _cse, decomposition_table, tracing_error
+from .passes.trace import DROP, _cse, joint_decomposition_table, tracing_errors
 from .pipeline import DEFAULT, Pipeline
 from .placements import P, Pl
 from .plan import is_spec_leaf, to_placements
@@ -66,21 +64,6 @@ aten = torch.ops.aten
 
 _JIT_EVEN = ("fxshard.jit infers global shapes from local ones, so its inputs and outputs must split evenly "
              "(uneven splits work with fxshard.shard)")
-
-
-def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
-    """``scatter.value`` (nll_loss's backward) as ``scatter_add`` + ``where``, which have sharding rules."""
-    hits = torch.zeros_like(self).scatter_add(dim, index, torch.ones_like(index, dtype=self.dtype))
-    return torch.where(hits > 0, value, self)
-
-
-@functools.lru_cache(maxsize=None)
-def _decompositions() -> dict:
-    """Core ATen + fxshard's table (softmax pieces), plus ``scatter.value`` in ops that have rules (built once)."""
-    table = dict(core_aten_decompositions())
-    table.update(decomposition_table())
-    table[aten.scatter.value] = _scatter_value
-    return table
 
 
 @dataclass
@@ -114,7 +97,7 @@ def _functionalized(gm: fx.GraphModule, fakes: list[torch.Tensor]) -> fx.GraphMo
             return fx.Interpreter(gm).run(*args)
 
     return make_fx(functionalize(run, remove="mutations"), tracing_mode="fake",
-                   decomposition_table=_decompositions())(*fakes)
+                   decomposition_table=joint_decomposition_table())(*fakes)
 
 
 def _path_str(names: Sequence[str], path: tuple) -> str:
@@ -262,7 +245,7 @@ class ShardedFunction:
         for node, leaf in zip(placeholders, [l for l in leaves if l.is_tensor]):
             node._rename("in_" + _ident(leaf.path))
             node.target = node.name  # the argument name in the generated code, too
-            seeds[node.name] = leaf.pls
+            seeds[node] = leaf.pls
         out_required = required_outputs(graph_outputs(gm), out_tree, self._out_specs, info, even_why=_JIT_EVEN)
         # fxshard.constrain calls in fn mean what they mean in shard()
         ctx = context_for(gm, info, seeds, out_required, recorded)
@@ -292,24 +275,19 @@ class ShardedFunction:
         mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
         with mode:  # fake tensors with the global shapes: nothing is allocated
             fakes = [torch.empty(l.global_shape, dtype=l.dtype, device=device) for l in leaves if l.is_tensor]
-        try:
+        with tracing_errors(f"{self.__name__} with make_fx (fake tensors, global shapes)",
+                            "a jitted function must be pure tensor code: no data-dependent Python control flow, no "
+                            ".item()/.tolist(), every tensor it reads passed as an argument"):
             # plain make_fx first (functionalize rejects the autograd.Function fxshard.constrain uses under
             # torch.func); only a graph with in-place ops is re-traced under functionalize, where a mutated
             # argument shows up as a final copy_ into its placeholder (rejected below). The math SDPA
             # backend decomposes attention above autograd, so its backward is plain ATen too.
             with sdpa_kernel([SDPBackend.MATH]):
-                gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=_decompositions(),
+                gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=joint_decomposition_table(),
                              record_stack_traces=True)(*fakes)
             if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
                    for n in gm.graph.nodes):
                 gm = _functionalized(gm, fakes)
-        except ShardingError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
-            raise tracing_error(
-                f"{self.__name__} with make_fx (fake tensors, global shapes)", e,
-                "a jitted function must be pure tensor code: no data-dependent Python control flow, no "
-                ".item()/.tolist(), every tensor it reads passed as an argument") from None
         g = gm.graph
         paths = {n: l.path for n, l in zip([n for n in g.nodes if n.op == "placeholder"],
                                             [l for l in leaves if l.is_tensor])}

@@ -14,7 +14,7 @@ than a shallow one (seed 002).
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -35,9 +35,11 @@ __all__ = ["memory", "program_peak", "liveness_peak", "OPTIMIZER_STATES"]
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
 
 
-def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None) -> dict[fx.Node, Any]:
+def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None, given: Sequence[Any] = ()
+                ) -> dict[fx.Node, Any]:
     """Run ``gm`` on fake local tensors on ``device``; the value every node produces. ``coords`` (this rank's
-    mesh coordinates) sizes unevenly split inputs as the rank-specific program expects."""
+    mesh coordinates) sizes unevenly split inputs as the rank-specific program expects; ``given`` are the
+    values of the first placeholders (a backward's saved values, as its forward computed them)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     vals: dict[fx.Node, Any] = {}
     def make(spec: Any, v: Any) -> Any:
@@ -58,7 +60,8 @@ def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None) -> dict[fx.
             return out
 
     with mode:
-        fake_in = [make(n.meta.get(META_KEY), n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+        fake_in = [given[i] if i < len(given) else make(n.meta.get(META_KEY), n.meta.get("val"))
+                   for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")]
         Rec(gm).run(*fake_in)
     return vals
 
@@ -72,10 +75,12 @@ def _nbytes(v: Any) -> int:
 
 
 def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bool = False,
-                 outputs_live: bool = True, coords=None, not_counted: frozenset = frozenset()) -> int:
+                 outputs_live: bool = True, coords=None, not_counted: frozenset = frozenset(),
+                 given: Sequence[Any] = ()) -> int:
     """Peak bytes of values the program allocates (plus its inputs when ``inputs_live``, except the
-    placeholders at positions ``not_counted``, e.g. parameters that are counted elsewhere)."""
-    vals = _local_vals(gm, sizes, device, coords)
+    placeholders at positions ``not_counted``, e.g. parameters that are counted elsewhere); ``given``:
+    see ``_local_vals``."""
+    vals = _local_vals(gm, sizes, device, coords, given)
     return liveness_peak(gm, lambda n: _nbytes(vals.get(n)), inputs_live, outputs_live, not_counted)
 
 
@@ -131,11 +136,29 @@ def _saved_state(view: Sharding) -> frozenset:
     return frozenset(i for i, s in enumerate(saved) if s in state)
 
 
+def _saved(view: Sharding) -> tuple[int, list[Any]]:
+    """Bytes of the activations the training forward saves for the backward on this rank (its inputs,
+    parameters and buffers are not counted: they are held anyway), and the saved values (fake, local)."""
+    tr = view.training
+    gm = tr.fwd.gm
+    vals = _local_vals(gm, view.mesh.sizes, view.mesh.device_type, view.mesh.coords)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    saved = list(out.args[0])[tr.n_out:]
+    owners = set()  # a saved view counts as the storage it views, once
+    for s in saved:
+        while isinstance(s, fx.Node) and s.op == "call_function" and s.target in VIEW_OPS:
+            s = s.args[0]
+        if isinstance(s, fx.Node) and s.op != "placeholder":
+            owners.add(s)
+    return sum(_nbytes(vals.get(s)) for s in owners), [vals[s] if isinstance(s, fx.Node) else s for s in saved]
+
+
 def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
     """Per-rank bytes: ``params``, ``grads``, ``optimizer`` (state of the named optimizer: 'sgd',
     'sgd_momentum', 'adam', 'adamw', ...), and the activation/collective-buffer peaks of the
-    ``inference`` program and, for training modules, of the ``forward`` (with what it saves for
-    the backward) and ``backward`` programs. Works on the fake process group for any world size."""
+    ``inference`` program and, for training modules, ``saved`` (the activations the forward keeps for
+    the backward: what ``shard(..., remat=...)`` trades for recomputation) and the peaks of the
+    ``forward`` (with what it saves for the backward) and ``backward`` programs. Works on the fake process group for any world size."""
     if optimizer not in OPTIMIZER_STATES:
         raise ShardingError(f"memory(): unknown optimizer {optimizer!r}; use one of {sorted(k for k in OPTIMIZER_STATES if k)}")
     view = sharding_of(sm, "fxshard.memory")
@@ -155,7 +178,9 @@ def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
         "inference_peak": program_peak(view.inference.gm, sizes, dev, coords=coords),
     }
     if view.training is not None:
+        report["saved"], saved = _saved(view)
         report["forward_peak"] = program_peak(view.training.fwd.gm, sizes, dev, coords=coords)
         report["backward_peak"] = program_peak(view.training.bwd.gm, sizes, dev, inputs_live=True, coords=coords,
+                                               given=saved,
                                                not_counted=_saved_state(view))
     return report

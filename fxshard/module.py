@@ -11,6 +11,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -27,7 +28,7 @@ from .placements import Pl
 from .replicas import check_replicas, communicates, from_source, holds_sentinel
 from .tiled_init import draw_seed, fill as fill_tiles
 
-__all__ = ["ShardedModule", "Program", "Programs", "Training"]
+__all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training"]
 
 
 @dataclass
@@ -105,25 +106,114 @@ class _RunSharded(torch.autograd.Function):
 
 class Scope(nn.Module):
     """Stands in a ShardedModule for one submodule of the original model: it holds that submodule's
-    local parameters and buffers and its train/eval mode (``sm.dropout.eval()`` works as on the model)."""
+    local parameters and buffers and its train/eval mode (``sm.dropout.eval()`` works as on the model).
 
-    def __init__(self, kind: str = "Module") -> None:
+    It is not called (the ShardedModule runs the whole model as one program), so hooks that would wait
+    for its call raise a ShardingError at registration, except FSDP2's: ``fully_shard(sm.layers[i])``
+    works (the ShardedModule drives those hooks around its program, see ``ShardedModule.forward``)."""
+
+    def __init__(self, kind: str = "Module", fqn: str = "") -> None:
         super().__init__()
         self._kind = kind
+        self._fqn = fqn
 
     def _get_name(self) -> str:
         return self._kind
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise ShardingError(f"the {self._kind} inside a ShardedModule cannot run on its own: fxshard shards the "
-                            f"whole model as one program; call the ShardedModule (or shard this submodule itself)")
+        raise ShardingError(f"the {self._kind} {self._fqn!r} inside a ShardedModule cannot run on its own: fxshard "
+                            f"shards the whole model as one program; call the ShardedModule (or shard this submodule "
+                            f"itself). For activation checkpointing of its layers use shard(..., remat='layers')")
+
+    def _no_hooks(self, what: str, hook: Any) -> None:
+        if isinstance(getattr(hook, "__self__", None), FSDPState):
+            return
+        raise ShardingError(
+            f"{what} on the {self._kind} {self._fqn!r} inside a ShardedModule would never fire: fxshard runs the whole "
+            f"model as one program, so its submodules are never called. Register the hook on the ShardedModule itself "
+            f"(its local inputs and outputs), return the value you need from the model's forward (out_specs give its "
+            f"layout), or shard that submodule on its own; for activation checkpointing use shard(..., remat='layers'), "
+            f"for FSDP2 per layer fully_shard(sm.<layer>) works as is")
+
+    def register_forward_pre_hook(self, hook: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self._no_hooks("a forward pre-hook", hook)
+        return super().register_forward_pre_hook(hook, **kwargs)
+
+    def register_forward_hook(self, hook: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self._no_hooks("a forward hook", hook)
+        return super().register_forward_hook(hook, **kwargs)
+
+    def register_full_backward_pre_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        self._no_hooks("a backward pre-hook", hook)
+        return super().register_full_backward_pre_hook(hook, prepend)
+
+    def register_full_backward_hook(self, hook: Any, prepend: bool = False) -> Any:  # type: ignore[override]
+        self._no_hooks("a backward hook", hook)
+        return super().register_full_backward_hook(hook, prepend)
+
+    def register_backward_hook(self, hook: Any) -> Any:  # type: ignore[override]
+        self._no_hooks("a backward hook", hook)
+        return super().register_backward_hook(hook)
+
+
+class ScopeList(Scope):
+    """The stand-in of an ``nn.ModuleList``/``nn.Sequential``: indexed, sliced, iterated and sized like it
+    (``sm.layers[0]``, ``for layer in sm.layers``, ``len(sm.layers)``)."""
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        items = list(self._modules.values())
+        if isinstance(idx, slice):
+            return items[idx]
+        if not isinstance(idx, int) or not -len(items) <= idx < len(items):
+            raise ShardingError(f"{self._kind} {self._fqn!r} has {len(items)} modules; index {idx!r} is not one of them")
+        return items[idx]
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._modules.values()))
+
+
+class ScopeDict(Scope):
+    """The stand-in of an ``nn.ModuleDict``: ``sm.blocks["a"]``, ``in``, ``len``, ``keys``/``values``/``items``."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._modules:
+            raise ShardingError(f"{self._kind} {self._fqn!r} has no module {key!r}; it has {list(self._modules)}")
+        return self._modules[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._modules
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Any:
+        return iter(list(self._modules))
+
+    def keys(self) -> Any:
+        return list(self._modules)
+
+    def values(self) -> Any:
+        return list(self._modules.values())
+
+    def items(self) -> Any:
+        return list(self._modules.items())
+
+
+def _scope(kind: type, fqn: str) -> Scope:
+    """The stand-in of a submodule of type ``kind`` (subclasses of the containers included)."""
+    cls = (ScopeList if issubclass(kind, (nn.ModuleList, nn.Sequential)) else
+           ScopeDict if issubclass(kind, nn.ModuleDict) else Scope)
+    return cls(kind.__name__, fqn)
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:
     m = root
     for part in path:
         if not hasattr(m, part) or not isinstance(getattr(m, part), nn.Module):
-            m.add_module(part, Scope())
+            m.add_module(part, Scope())  # a parameter's owner the model tree did not list
         m = getattr(m, part)
     return m
 
@@ -159,7 +249,9 @@ class ShardedModule(nn.Module):
     Parameters and buffers are the local shards, registered under the
     original FQNs (tied parameters are one Parameter under each name), and
     every submodule of the original model has a stand-in (:class:`Scope`) under
-    its FQN. ``forward`` takes this rank's local inputs (laid out per
+    its FQN that owns its local shards; stand-ins of containers index and
+    iterate (:class:`ScopeList`, :class:`ScopeDict`), and FSDP2's
+    ``fully_shard`` applies to them (see ``forward``). ``forward`` takes this rank's local inputs (laid out per
     ``in_specs``) and returns local outputs (per ``out_specs``, replicated by
     default).
 
@@ -174,7 +266,7 @@ class ShardedModule(nn.Module):
 
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
-                 modules: Sequence[tuple[str, str, bool, str]] = (), name: str = "model",
+                 modules: Sequence[tuple[str, type, bool, str]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool]], Programs]] = None, auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
         super().__init__()
@@ -193,7 +285,7 @@ class ShardedModule(nn.Module):
                 continue
             *path, leaf = fqn.split(".")
             if first == fqn:
-                scopes[fqn] = Scope(kind)
+                scopes[fqn] = _scope(kind, fqn)
                 scopes[fqn].training = training
             else:  # the same submodule under a second name: one stand-in, one mode
                 scopes[fqn] = scopes[first]
@@ -351,10 +443,31 @@ class ShardedModule(nn.Module):
             m = getattr(m, part)
         return m
 
+    def _fsdp_scopes(self) -> list[nn.Module]:
+        """Submodules ``fully_shard`` was applied to (FSDP2 per layer), in pre-order."""
+        return [m for m in self.modules() if m is not self and isinstance(m, FSDPModule)]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Local outputs for local inputs; differentiable when grad mode is on (see class doc)."""
+        """Local outputs for local inputs; differentiable when grad mode is on (see class doc).
+
+        Submodules under FSDP2 (``fully_shard(sm.layers[i])``) are never called themselves, so their FSDP2
+        hooks run around the one program: every such submodule's pre-forward hook (all-gathers its
+        parameters) before it, its post-forward hook (reshards them, and registers the all-gather
+        before the backward on the outputs) after it, with no inputs and the program's outputs."""
         progs = self._for_mode()
         self._check_filled()
+        fsdp = self._fsdp_scopes()
+        for m in fsdp:
+            for hid, hook in list(m._forward_pre_hooks.items()):
+                hook(m, (), {}) if m._forward_pre_hooks_with_kwargs.get(hid) else hook(m, ())
+        outs = self._run(progs, args, kwargs)
+        for m in fsdp:
+            for hid, hook in list(m._forward_hooks.items()):
+                hook(m, (), {}, outs) if m._forward_hooks_with_kwargs.get(hid) else hook(m, (), outs)
+        return pytree.tree_unflatten(list(outs[len(progs.traced.mutations):]), progs.traced.out_tree)
+
+    def _run(self, progs: Programs, args: tuple, kwargs: dict) -> tuple:
+        """The program's flat outputs (buffer updates first, written back here)."""
         feed = self._feed(progs, args, kwargs)
         tr = progs.training
         if tr is not None and torch.is_grad_enabled() and any(
@@ -374,7 +487,7 @@ class ShardedModule(nn.Module):
             with torch.no_grad():  # buffers the forward updates (e.g. BatchNorm running statistics)
                 for name, new in zip(mutations, outs[: len(mutations)]):
                     self._lookup(name).copy_(new)
-        return pytree.tree_unflatten(list(outs[len(mutations):]), progs.traced.out_tree)
+        return tuple(outs)
 
     # ---- state ---------------------------------------------------------------------------
     def _state_tensors(self) -> dict[str, torch.Tensor]:

@@ -12,25 +12,28 @@ solve          specs                 specs                ``passes/solve.py`` (r
 redistribute   specs                 arrive               ``passes/redistribute.py``
 localize       arrive                local                ``passes/localize.py``
 emit           local                 clean                ``passes/emit.py``
+bucket         clean                 (nothing new)        ``passes/bucket.py`` (backward programs; ``ctx.bucket_mb``)
 overlap        clean                 scheduled            ``passes/overlap.py`` (optional)
 =============  ====================  ===================  ==========================================
 
 (facts: ``passes/verify.py``). ``DEFAULT`` is what ``fxshard.shard``, ``fxshard.jit``, the CLI and
 the compile backend run (the backend adds ``overlap`` with ``overlap=True``). A pass marked
 ``per_program`` runs on each finished per-rank program (for training, after the joint graph is
-split into forward and backward), the others on the whole graph. With ``FXSHARD_VERIFY=1`` the
+split into forward and backward; one with ``program="backward"`` on the backward program only),
+the others on the whole graph. With ``FXSHARD_VERIFY=1`` the
 facts in force are checked after every pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.fx as fx
 
 from .context import ShardContext
 from .errors import ShardingError
+from .passes.bucket import bucket_pass
 from .passes.emit import emit
 from .passes.localize import localize
 from .passes.overlap import overlap_pass
@@ -39,14 +42,18 @@ from .passes.redistribute import redistribute
 from .passes.solve import solve
 from .passes.verify import FACTS, enabled, verify
 
-__all__ = ["Pass", "Pipeline", "DEFAULT", "PROPAGATE", "SOLVE", "REDISTRIBUTE", "LOCALIZE", "EMIT", "OVERLAP"]
+__all__ = ["Pass", "Pipeline", "DEFAULT", "PROPAGATE", "SOLVE", "REDISTRIBUTE", "LOCALIZE", "EMIT", "BUCKET",
+           "OVERLAP"]
 
 PassFn = Callable[[fx.GraphModule, ShardContext], fx.GraphModule]
 
 
 @dataclass(frozen=True)
 class Pass:
-    """One stage: ``fn(gm, ctx) -> gm`` and the facts it requires, ensures and ends (``FACTS`` names)."""
+    """One stage: ``fn(gm, ctx) -> gm`` and the facts it requires, ensures and ends (``FACTS`` names).
+
+    ``per_program``: runs on each finished per-rank program; ``program``: only on programs of that
+    kind (``"forward"``/``"backward"``; None: every one)."""
 
     name: str
     fn: PassFn
@@ -54,6 +61,7 @@ class Pass:
     ensures: frozenset = frozenset()
     ends: frozenset = frozenset()
     per_program: bool = False
+    program: Optional[str] = None
 
 
 # the facts a program has when it enters the pipeline (the front end ensures them)
@@ -64,6 +72,7 @@ SOLVE = Pass("solve", solve, frozenset({"specs"}), frozenset({"specs"}))
 REDISTRIBUTE = Pass("redistribute", redistribute, frozenset({"specs"}), frozenset({"arrive"}), frozenset({"global"}))
 LOCALIZE = Pass("localize", localize, frozenset({"arrive"}), frozenset({"local"}))
 EMIT = Pass("emit", emit, frozenset({"local"}), frozenset({"clean"}))
+BUCKET = Pass("bucket", bucket_pass, frozenset({"clean"}), per_program=True, program="backward")
 OVERLAP = Pass("overlap", overlap_pass, frozenset({"clean"}), frozenset({"scheduled"}), per_program=True)
 
 
@@ -93,6 +102,10 @@ class Pipeline:
             raise ShardingError(f"a pipeline runs each pass once; got {names}")
         if any(a.per_program and not b.per_program for a, b in zip(self.passes, self.passes[1:])):
             raise ShardingError(f"per-program passes run after the whole-graph ones; got {names}")
+        for p in self.passes:
+            if p.program not in (None, "forward", "backward") or (p.program and not p.per_program):
+                raise ShardingError(f"pass {p.name!r}: program={p.program!r} names the per-program pass's kind of "
+                                    f"program: 'forward', 'backward' or None (every program)")
 
     def facts_after(self, name: str) -> set[str]:
         """The facts in force after the pass called ``name`` has run."""
@@ -104,12 +117,13 @@ class Pipeline:
             facts = (facts | p.ensures) - p.ends
         return facts
 
-    def _run(self, gm: fx.GraphModule, ctx: ShardContext, per_program: bool) -> fx.GraphModule:
+    def _run(self, gm: fx.GraphModule, ctx: ShardContext, per_program: bool,
+             program: Optional[str] = None) -> fx.GraphModule:
         check = enabled()
         if check and not per_program:
             verify(gm, ctx, INITIAL, "the front end (trace, annotate)")
         for i, p in enumerate(self.passes):
-            if p.per_program != per_program:
+            if p.per_program != per_program or (per_program and p.program not in (None, program)):
                 continue
             gm = p.fn(gm, ctx)
             if check:
@@ -120,9 +134,10 @@ class Pipeline:
         """Run the whole-graph passes on ``gm`` (in place; returns it)."""
         return self._run(gm, ctx, per_program=False)
 
-    def finish(self, gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
-        """Run the per-program passes on one finished per-rank program ``gm``."""
-        return self._run(gm, ctx, per_program=True)
+    def finish(self, gm: fx.GraphModule, ctx: ShardContext, program: str = "forward") -> fx.GraphModule:
+        """Run the per-program passes on one finished per-rank program ``gm`` of kind ``program``
+        (``"forward"``: an inference program, a jitted function, a training forward; ``"backward"``)."""
+        return self._run(gm, ctx, per_program=True, program=program)
 
     def __call__(self, gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         """``run`` then ``finish``: for a program that is not split after sharding (inference, jit)."""
@@ -139,4 +154,4 @@ class Pipeline:
         return [p.name for p in self.passes]
 
 
-DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT))
+DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT, BUCKET))

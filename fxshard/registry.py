@@ -19,10 +19,12 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
-from .placements import Pl, R
+from .placements import Pl, R, S
+from .spec import Spec, split_ok
 from .symbolic import Dim, sym_shape
 
-__all__ = ["Strategy", "OpCall", "Rule", "register", "lookup", "allows_uneven", "tensor_inputs", "registered_ops"]
+__all__ = ["Strategy", "OpCall", "Rule", "register", "lookup", "allows_uneven", "tensor_inputs", "registered_ops",
+           "strategy_valid", "strategy_specs", "outer_of", "split_outers"]
 
 OutPl = Union[Pl, tuple[Optional[Pl], ...], None]
 
@@ -73,12 +75,13 @@ _RULES: dict[Any, Rule] = {}
 _UNEVEN: set = set()
 
 
-def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None, *, uneven: bool = False):
+def register(ops: Union[Any, Iterable[Any]], rule: Optional[Rule] = None, *, uneven: bool = True):
     """Register ``rule`` for each OpOverload in ``ops`` (usable as a decorator).
 
-    ``uneven=True`` declares the rule's split strategies correct when a split dim is cut unevenly
-    (``torch.chunk`` semantics, per-rank local sizes); propagation offers uneven splits only to such
-    ops. Raises ShardingError when an op already has a rule: one op, one rule.
+    By default a rule's split strategies must be correct when a split dim is cut unevenly
+    (``torch.chunk`` semantics, per-rank local sizes; the validator and the OpInfo sweep cut dims
+    unevenly to check). ``uneven=False`` opts out: propagation then offers the op only splits that
+    divide. Raises ShardingError when an op already has a rule: one op, one rule.
     """
     ops_list = list(ops) if isinstance(ops, (list, tuple, set)) else [ops]
 
@@ -170,3 +173,57 @@ def output_leaves(out_node: fx.Node) -> list[Any]:
 
     walk(out_node.args[0])
     return res
+
+
+def outer_of(p: Pl, dim: int) -> int:
+    """The strided-split factor a split of ``dim`` keeps when its input is laid out ``p``: ``p.outer``
+    when ``p`` splits ``dim`` (``S(dim, outer)``, a packed dim), else 1 (a plain split). Rules offer
+    ``S(dim, outer_of(p, dim))`` so a packed dim stays packed (see ``placements.py``)."""
+    return p.outer if isinstance(p, S) and p.dim == dim else 1
+
+
+def split_outers(pairs: Iterable[tuple[Pl, Optional[int]]]) -> list[int]:
+    """The split factors one dim may be split with, ascending: 1 (a plain split) and the outer factor
+    of every strided split among ``(placement, dim)`` pairs, where ``dim`` is the dim in question as
+    that input numbers it (None: the input does not have it)."""
+    return sorted({1} | {outer_of(p, d) for p, d in pairs if d is not None})
+
+
+def _pad(pls: Sequence[Pl], k: int) -> tuple[Pl, ...]:
+    return tuple(pls) + (R,) * (k - len(pls))
+
+
+def strategy_valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int,
+                   uneven: bool) -> bool:
+    """Whether ``st``, on the axis after those ``chosen`` already has, leaves every input and output
+    split legally (dims divide, or are cut unevenly where the op's rule allows ``uneven``)."""
+    for i, s in enumerate(in_specs):
+        pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
+        if not split_ok(s.shape, pls, sizes, uneven):
+            return False
+    multi = bool(out_shape) and (out_shape[0] is None or isinstance(out_shape[0], tuple))
+    shapes = out_shape if multi else (out_shape,)
+    outs = st.output if isinstance(st.output, tuple) else (st.output,) * len(shapes)
+    for j, (o, shp) in enumerate(zip(outs, shapes)):
+        if o is None or shp is None:
+            continue
+        prev = [(c.output[j] if isinstance(c.output, tuple) else c.output) for c in chosen]
+        if not split_ok(shp, _pad(prev + [o], k), sizes, uneven):
+            return False
+    return True
+
+
+def strategy_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
+    """The node's output Spec (a tuple of them, None for non-tensors, for multi-output ops) under the
+    per-axis strategies ``chosen``."""
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        return Spec(tuple(st.output for st in chosen), out_shape, val.dtype)
+    specs = []
+    for j, v in enumerate(val):
+        if not isinstance(v, torch.Tensor):
+            specs.append(None)
+            continue
+        pls = tuple((st.output[j] if isinstance(st.output, tuple) else st.output) or R for st in chosen)
+        specs.append(Spec(pls, sym_shape(v), v.dtype))
+    return tuple(specs)

@@ -28,7 +28,7 @@ Before each call a worker resets what a fresh process would give ``fn``:
 dtype and grad mode, the environment (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and nothing a previous call set), the
 working directory, the warning filters (and every ``__warningregistry__``),
-the warn-once registries of fxshard (module-level sets named ``_WARNED``),
+the warn-once registries of fxshard (module-level ContextVars named ``_WARNED``),
 torch._dynamo's caches and counters, DTensor's RNG tracker, the default group's collective
 timeout (= this call's ``timeout``) and the process's stdout/stderr (this
 call's, so pytest captures a rank's output under the running test). After a
@@ -68,6 +68,7 @@ import socket
 import sys
 import time
 import traceback
+from contextvars import ContextVar
 from multiprocessing import connection, reduction
 from typing import Any, Callable
 
@@ -187,8 +188,8 @@ class _Baseline:
                 registry.clear()
             if name == "fxshard" or name.startswith("fxshard."):
                 once = getattr(module, "_WARNED", None)
-                if isinstance(once, set):
-                    once.clear()
+                if isinstance(once, ContextVar):
+                    once.set(frozenset())
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()

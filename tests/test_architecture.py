@@ -1,4 +1,6 @@
-"""Structural checks of the engine core (issue 12): the import graph inside ``fxshard/`` has no cycle."""
+"""Structural checks of the engine core (issue 12): the import graph inside ``fxshard/`` has no cycle,
+and no module of ``fxshard/passes/`` imports a pipeline pass (they share ``ir``, the registry and
+the leaf modules instead)."""
 
 from __future__ import annotations
 
@@ -94,6 +96,34 @@ def test_no_import_cycle_inside_fxshard():
     assert "fxshard.passes.propagate" in graph and graph["fxshard.passes.propagate"]
     cycle = find_cycle(graph)
     assert not cycle, " -> ".join(cycle)
+
+
+def pass_modules() -> set[str]:
+    """The modules that hold the function of a pipeline stage (every ``Pass`` in ``fxshard.pipeline``)."""
+    from fxshard import pipeline
+
+    return {p.fn.__module__ for p in vars(pipeline).values() if isinstance(p, pipeline.Pass)}
+
+
+def pass_imports(graph: dict[str, set[str]], passes: set[str]) -> list[tuple[str, str]]:
+    """``(importer, pass)`` for every module of ``fxshard.passes`` that imports a pass module."""
+    return sorted((m, t) for m, ts in graph.items() if m.startswith("fxshard.passes.") for t in ts
+                  if t in passes and t != m)
+
+
+def test_pass_import_finder_finds_one():
+    graph = {"fxshard.passes.a": {"fxshard.passes.b", "fxshard.ir"}, "fxshard.passes.b": {"fxshard.ir"},
+             "fxshard.pipeline": {"fxshard.passes.a"}}
+    assert pass_imports(graph, {"fxshard.passes.a", "fxshard.passes.b"}) == [("fxshard.passes.a", "fxshard.passes.b")]
+    assert pass_imports(graph, {"fxshard.passes.a"}) == []
+
+
+def test_passes_do_not_import_each_other():
+    passes = pass_modules()
+    assert {"fxshard.passes.propagate", "fxshard.passes.solve", "fxshard.passes.emit"} <= passes
+    bad = pass_imports(import_graph(), passes)
+    assert not bad, "; ".join(f"{m} imports the pass {t}: move what they share into fxshard/ir.py or the registry"
+                              for m, t in bad)
 
 
 def test_examples_need_no_tests_directory():

@@ -16,6 +16,7 @@ from fxshard.collectives import COMM_KEY
 from fxshard.compile import overlap_report
 from fxshard.module import local_slice
 from fxshard.passes.bucket import bucket_gradients, plan_buckets
+from fxshard.pipeline import BUCKET, DEFAULT, Pipeline
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_mesh2d import transformer_specs
@@ -84,6 +85,12 @@ def test_buckets_respect_the_cap_group_dtypes_and_follow_readiness(fake_mesh):
     plain = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=None)
     assert fxshard.comm_stats(plain)["backward"]["all_reduce"] == {"count": 8, "bytes": stats["bytes"]}
     assert stats["count"] == 3
+    # the packing is the pipeline's bucket stage (backward programs only): without it, one per gradient
+    bare = Pipeline(tuple(p for p in DEFAULT.passes if p is not BUCKET))
+    alone = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=2200 / 2**20,
+                          pipeline=bare)
+    assert fxshard.comm_stats(alone)["backward"]["all_reduce"] == {"count": 8, "bytes": stats["bytes"]}
+    assert "bucket" in DEFAULT.names and BUCKET.program == "backward"
     # each bucket is issued before the backward has finished: compute runs between issue and wait
     rows = [r for r in overlap_report(sm) if r["program"] == "backward"]
     assert len(rows[0]["overlapped"]) > 0 and len(rows[1]["overlapped"]) > 0, rows

@@ -46,7 +46,7 @@ def _dirty_state(rank: int, world_size: int) -> None:
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=5))
     import fxshard.passes.propagate as propagate
 
-    propagate._WARNED.add("aten.flip.default")
+    propagate._WARNED.set(propagate._WARNED.get() | {"aten.flip.default"})
 
 
 def _warn_here() -> None:
@@ -68,7 +68,7 @@ def _fresh_state(rank: int, world_size: int) -> dict:
         "rank_env": os.environ["RANK"],
         "cwd": os.getcwd(),
         "warned": [str(w.message) for w in caught],
-        "once_registry": sorted(propagate._WARNED),
+        "once_registry": sorted(propagate._WARNED.get()),
         "groups": len(dist.distributed_c10d._world.pg_map),
     }
 

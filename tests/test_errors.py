@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import re
 import warnings
+from contextvars import ContextVar
 from typing import Iterator
 
 import pytest
@@ -205,7 +206,8 @@ def flip_without_rule():
 
 
 def test_fallback_warns_and_gathers(mesh2, monkeypatch, flip_without_rule):
-    monkeypatch.setattr(propagate_mod, "_WARNED", set())  # the warning is once per process and op
+    # the warning is once per op (and context): start from a context that has warned about nothing
+    monkeypatch.setattr(propagate_mod, "_WARNED", ContextVar("fallback_warned", default=frozenset()))
     with pytest.warns(UserWarning, match=r"no sharding rule for aten\.flip\.default"):
         sm = fxshard.shard(_FlipMiddle().requires_grad_(False), mesh2, FLIP_PLAN, example_inputs=(x8(),))
     text = fxshard.explain(sm)

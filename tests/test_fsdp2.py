@@ -1,6 +1,7 @@
 """Composing with torch's FSDP2 and its state-dict tooling.
 
-* ``fully_shard`` over the dp axis of a module fxshard sharded on tp: 4 real gloo ranks on a (dp=2, tp=2)
+* ``fully_shard`` over the dp axis of a module fxshard sharded on tp (the whole module as one group, and
+  each layer its own group plus the root, as torchtitan does): 4 real gloo ranks on a (dp=2, tp=2)
   mesh, the reference is the unsharded model trained on the global batch (the dp ranks' local batches
   concatenated); its full state dict (``sm.full_state_dict()`` and torch's ``get_model_state_dict``) is the
   unsharded model's, and saving then loading it into a fresh composed module gives the same loss.
@@ -14,7 +15,7 @@ import copy
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 import fxshard
@@ -42,6 +43,10 @@ def _state_err(got: dict, want: dict) -> float:
 
 def _fsdp2_over_dp(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(dp=2, tp=2)
+    return {per_layer: _fsdp2_run(mesh, per_layer) for per_layer in (False, True)}
+
+
+def _fsdp2_run(mesh, per_layer: bool) -> dict:
     dp_rank = mesh.get_coordinate()[0]
     model = _transformer(0)
     batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 10)) for s in range(2)]
@@ -49,11 +54,15 @@ def _fsdp2_over_dp(rank: int, world: int) -> dict:
 
     def composed(m):
         sm = fxshard.shard(copy.deepcopy(m), mesh["tp"], transformer_plan(2), example_inputs=local(batches[0]))
+        if per_layer:  # torchtitan's recipe: each block its own FSDP2 group, then the root
+            for layer in sm.layers:
+                fully_shard(layer, mesh=mesh["dp"])
         fully_shard(sm, mesh=mesh["dp"])
         return sm
 
     sm = composed(model)
     dp_sharded = all(isinstance(p, DTensor) for p in sm.parameters())
+    groups = sum(isinstance(m, FSDPModule) for m in sm.modules())
 
     def dp_mean(loss: float) -> float:  # equal local batches: the global mean is the mean of local means
         t = torch.tensor(loss)
@@ -83,15 +92,18 @@ def _fsdp2_over_dp(rank: int, world: int) -> dict:
         loss = sm(*b).item()
         reload_errs = [abs(fresh(*b).item() - loss), abs(again(*b).item() - loss)]
     return {"loss_err": worst, "param_err": param_err, "dp_sharded": dp_sharded, "full_errs": full_errs,
-            "reload_errs": reload_errs}
+            "reload_errs": reload_errs, "groups": groups}
 
 
 def test_fully_shard_over_dp_composes_with_fxshard_tp():
-    for res in run_ranks(_fsdp2_over_dp, 4, timeout=300):
-        assert res["dp_sharded"], res
-        assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
-        assert max(res["full_errs"]) <= TOL, res  # inf if a key or shape differed
-        assert max(res["reload_errs"]) <= TOL, res
+    """Whole-module ``fully_shard(sm)`` and per-layer ``fully_shard(sm.layers[i])`` + root, one spawn."""
+    for both in run_ranks(_fsdp2_over_dp, 4, timeout=600):
+        for per_layer, res in both.items():
+            assert res["groups"] == (3 if per_layer else 1), res
+            assert res["dp_sharded"], res
+            assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
+            assert max(res["full_errs"]) <= TOL, res  # inf if a key or shape differed
+            assert max(res["reload_errs"]) <= TOL, res
 
 
 def _loss_and_grads(m, batch, grad_of) -> tuple[float, dict]:

@@ -13,15 +13,14 @@ module run unsharded.
 
 Per op, one class: ``pass``; ``fallback`` (correct, but an op without a rule ran replicated: which
 ops is in the table); ``xfail`` (``XFAIL``: the op raises a ShardingError whose message matches);
-``joint`` (``JOINT``, temporary: joint-graph bugs another change fixes); ``skip`` (``SKIP`` and the
-automatic reasons: no float32 form, random, no dense tensor sample); ``wrong`` and ``error`` (any
-exception that is not a ShardingError) fail the test, as does an unexpected ShardingError or an
-``XFAIL``/``JOINT`` entry that now passes. The failing rows (op, sample, layout, error) are in the
+``skip`` (``SKIP`` and the automatic reasons: no float32 form, random, no dense tensor sample);
+``wrong`` and ``error`` (any exception that is not a ShardingError) fail the test, as does an
+unexpected ShardingError or an ``XFAIL`` entry that now passes. The failing rows (op, sample, layout, error) are in the
 assertion message and the whole table is printed, with a summary line.
 
 Which op of a batch fails: an exception reruns each op alone (then each instance alone); a wrong
 result reruns that op alone, and an op right alone but wrong in the batch is reported as corrupted
-by another op (the joint graph's CSE shares a constant that op updates in place: see ``JOINT``).
+by another op (the joint graph's CSE shares a constant that op updates in place).
 Fallbacks are attributed per instance by graph connectivity (``_fallbacks``). A rank that raises
 alone would leave the other waiting in a collective, so the sweep's mesh lives on its own process
 group with a short timeout, rebuilt after any failure; ranks agree on outcomes over the default group.
@@ -103,8 +102,6 @@ XFAIL: dict[str, XFail] = {
                                       "as updated in place, and inputs updated in place are rejected",
                                       r"forward mutates 'tensors_\d+' \(USER_INPUT_MUTATION\)"),
 }
-
-JOINT: dict[str, str] = {}
 
 SKIP: dict[str, str] = {
     **{n: "CUDA-only (jiterator): no CPU kernel" for n in (
@@ -511,7 +508,7 @@ def run_batch(cases: list[Case], m: _Mesh, rank: int, world: int, contaminated: 
         return [r for r in rows if r.op not in again] + [r for alone in again.values() for r in alone]
     rows = []
     for c in cases:
-        expected = c.op in XFAIL or c.op in JOINT
+        expected = c.op in XFAIL
         got = _attempt(c.instances, m, rank, world, bisect=not expected)
         rows += got if got is not None else [r for i in c.instances for r in _attempt([i], m, rank, world)]
     return rows
@@ -527,7 +524,7 @@ def sweep_rank(rank: int, world: int, names: Optional[list[str]] = None, verbose
         print(f"samples: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     rows = [Row(c.op, -1, "-", "skip", detail=c.skip) for c in cases if c.skip]
     todo = [c for c in cases if not c.skip]
-    alone = [c for c in todo if c.op in XFAIL or c.op in JOINT]  # expected to raise: never sink a batch
+    alone = [c for c in todo if c.op in XFAIL]  # expected to raise: never sink a batch
     rest = [c for c in todo if c not in alone]
     batches = [[c] for c in alone] + [rest[i:i + BATCH] for i in range(0, len(rest), BATCH)]
     m = _Mesh(world)
@@ -571,11 +568,11 @@ def verdicts(rows: list[Row]) -> Verdict:
         worst = max(rs, key=lambda r: _ORDER[r.status]).status
         if worst == "skip":
             cls[op] = "skip"
-        elif op in JOINT or op in XFAIL:
-            cls[op] = "joint" if op in JOINT else "xfail"
+        elif op in XFAIL:
+            cls[op] = "xfail"
             if worst in ("pass", "fallback"):
-                problems.append(f"{op}: listed in {cls[op].upper()} but passes now: remove the entry")
-            for r in rs if op in XFAIL else ():
+                problems.append(f"{op}: listed in XFAIL but passes now: remove the entry")
+            for r in rs:
                 if r.status in ("wrong", "error") or (
                         r.status == "sharding_error" and not re.search(XFAIL[op].raises, r.detail)):
                     problems.append(f"{op} sample {r.sample} {r.layout}: {r.status} ({r.detail}), but XFAIL "
@@ -584,8 +581,7 @@ def verdicts(rows: list[Row]) -> Verdict:
             cls[op] = worst
             problems += [f"{op} sample {r.sample} {r.layout}: {r.status}: max abs error {r.err:.3g} {r.detail}"
                          for r in rs if r.status in ("wrong", "error", "sharding_error")]
-    problems += [f"{op}: in XFAIL/JOINT but not an op_db entry that ran" for op in set(XFAIL) | set(JOINT)
-                 if op not in by_op]
+    problems += [f"{op}: in XFAIL but not an op_db entry that ran" for op in XFAIL if op not in by_op]
     graded = {r.op for r in rows if r.grads and cls.get(r.op) in ("pass", "fallback")}
     return Verdict(cls, problems, graded, [r.detail for r in rows if r.status == "contaminated"])
 
@@ -603,8 +599,8 @@ def summary(rows: list[Row], v: Verdict, seconds: float) -> str:
         count[c] += 1
     ran = [r for r in rows if r.status not in ("skip", "contaminated")]
     line = (f"opinfo sweep: {len(v.cls) - count['skip']} ops covered ({len(v.graded)} with gradients compared): "
-            f"pass {count['pass']} / fallback {count['fallback']} / xfail {count['xfail']} / joint (temporary) "
-            f"{count['joint']} / wrong {count['wrong']} / error {count['error']} / unexpected ShardingError "
+            f"pass {count['pass']} / fallback {count['fallback']} / xfail {count['xfail']} / "
+            f"wrong {count['wrong']} / error {count['error']} / unexpected ShardingError "
             f"{count['sharding_error']}; skipped {count['skip']}; {len(ran)} instances "
             f"({sum(r.uneven for r in ran)} with uneven splits); {seconds:.0f}s")
     if v.contaminated:

@@ -24,7 +24,7 @@ import fxshard
 from fxshard import ColwiseParallel, P, Packed, RowwiseParallel, ShardingError
 from fxshard.checkpoint import take
 from fxshard.mesh import MeshInfo
-from fxshard.placements import S, to_torch
+from fxshard.placements import R, S, to_torch
 from fxshard.plan import resolve_plan
 from fxshard.spec import META_KEY
 from tests import models
@@ -302,3 +302,12 @@ def test_packed_plans_train_with_parity_and_checkpoint_across_layouts():
         sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
         dcp.load({"model": sd}, checkpoint_id=os.path.join(path, "dcp"))
         assert all(torch.equal(sd[k], res[0]["saved"][k]) for k in sd)
+
+
+def test_rules_read_strided_factors_from_one_place():
+    """``registry.outer_of``/``split_outers``: the factors a dim may be split with, given its inputs' layouts."""
+    from fxshard.registry import outer_of, split_outers
+
+    assert outer_of(S(1, 3), 1) == 3 and outer_of(S(1, 3), 0) == 1 and outer_of(R, 0) == 1 and outer_of(S(0), 0) == 1
+    assert split_outers([(S(0, 2), 0), (S(1, 4), None), (R, 1), (S(1, 3), 1)]) == [1, 2, 3]
+    assert split_outers([]) == [1]

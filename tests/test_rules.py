@@ -27,7 +27,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fxshard  # noqa: F401  (registers every rule)
 from fxshard.errors import ShardingError
 from fxshard.placements import Part, R, S
-from fxshard.registry import OpCall, Strategy, lookup, out_shape_of, register, registered_ops, tensor_inputs
+from fxshard.registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, register, registered_ops,
+                              tensor_inputs)
 from fxshard.rules.view import view_groups, view_shard
 from fxshard.symbolic import sym_shape
 
@@ -98,6 +99,15 @@ def test_every_rule_family_is_registered():
                aten.embedding.default, aten.gather.default, aten.full.default, aten.convolution.default,
                aten._scaled_dot_product_flash_attention_for_cpu.default):
         assert op in registered_ops()
+
+
+def test_rules_are_uneven_safe_unless_they_opt_out():
+    """``register`` defaults to uneven-safe; the rules that only split dims that divide say so."""
+    opted_out = {op for op in registered_ops() if not allows_uneven(op)}
+    assert opted_out == {aten.convolution.default, aten.convolution_backward.default,
+                         aten._scaled_dot_product_flash_attention_for_cpu.default,
+                         aten._scaled_dot_product_flash_attention_for_cpu_backward.default}, opted_out
+    assert len(registered_ops()) > 10 * len(opted_out)
 
 
 def test_registering_an_op_twice_raises():

@@ -107,7 +107,7 @@ def annotate(traced: Traced, mesh: MeshInfo, param_pls: dict[str, tuple[Pl, ...]
             check_divisible(f"input {slot.index} (shape {tuple(sym_shape(val))})", sym_shape(val), pls, mesh)
         else:
             pls = (R,) * len(mesh.sizes)
-        ctx.seeds[node.name] = pls
+        ctx.seeds[node] = pls
     ctx.out_required = list(out_required)
     ctx.constraints = constraint_table(traced.gm, mesh, constraints or {})
     return ctx

@@ -1,6 +1,6 @@
 """Gradient bucketing, as DDP does it: few large gradient collectives, issued while the backward runs.
 
-``bucket_gradients`` requires the backward program of a partitioned training graph
+``bucket_gradients`` (the pipeline's ``bucket`` stage, ``bucket_pass``) requires the backward program of a partitioned training graph
 (``joint.partition``), whose collectives carry ``COMM_KEY`` with their input's local ``shape``
 (``collectives.Emitter.comm``). It ensures:
 
@@ -29,10 +29,11 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from ..context import ShardContext
 from ..ir import COMM_KEY, INSERTED_KEY
 from ..symbolic import is_concrete
 
-__all__ = ["bucket_gradients", "plan_buckets", "DEFAULT_BUCKET_MB"]
+__all__ = ["bucket_gradients", "bucket_pass", "plan_buckets", "DEFAULT_BUCKET_MB"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -165,6 +166,14 @@ def bucket_gradients(gm: fx.GraphModule, bucket_bytes: int) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def bucket_pass(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
+    """The pipeline stage (``pipeline.BUCKET``, on backward programs): :func:`bucket_gradients` with
+    buckets of ``ctx.bucket_mb`` MiB; ``gm`` unchanged when that is None."""
+    if ctx.bucket_mb is None:
+        return gm
+    return bucket_gradients(gm, int(ctx.bucket_mb * 2**20))
 
 
 def _emit(g: fx.Graph, ms: list[_Member], output: fx.Node) -> None:

@@ -21,7 +21,9 @@ a gradient through a collective the model itself calls is such an error.
 forward ``primals -> (outputs..., saved...)`` holding exactly the nodes the
 outputs need, and backward ``(saved..., tangents...) -> grads`` holding the
 rest (so anything only the backward needs, collectives included, runs in the
-backward, and saved values are the forward nodes the backward reads).
+backward, and saved values are the forward nodes the backward reads). Under a
+rematerialisation policy (``fxshard.remat``) the backward recomputes some forward
+values from saved ones instead, each right before its first reader there.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -48,7 +50,8 @@ from ..errors import ShardingError
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
 from ..placements import R
 from ..registry import output_leaves
-from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_error
+from ..remat import recomputed
+from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
 
 __all__ = ["Joint", "trace_joint", "joint_context", "partition", "Split"]
 
@@ -204,20 +207,16 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
 
     interp = _Differentiable(fwd_gm)
     table = joint_decomposition_table()  # core ATen, fused kernels that have rules kept
-    try:
-        with quiet_unless_ok(), torch.enable_grad(), enable_python_dispatcher(), \
-                FunctionalTensorMode(_allow_token_discovery=True):
-            gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(
-                primals, tangents)
-    except ShardingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
-        at = interp.at
-        raise tracing_error(
-            f"the training graph (forward + backward){f' at {at.target}' if at is not None else ''}", e,
+    at = lambda: interp.at  # noqa: E731 - the node being traced when the trace fails
+    with tracing_errors(
+            lambda: f"the training graph (forward + backward){f' at {at().target}' if at() is not None else ''}",
             "if no gradient is needed there, compute it under torch.no_grad() or on .detach()-ed values; to shard "
             "for inference only, set requires_grad=False on the parameters and example inputs",
-            where=(source_line(at) or at.name) if at is not None else None) from None
+            where=lambda: (source_line(at()) or at().name) if at() is not None else None), \
+            quiet_unless_ok(), torch.enable_grad(), enable_python_dispatcher(), \
+            FunctionalTensorMode(_allow_token_discovery=True):
+        gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(
+            primals, tangents)
     _reject_effect_tokens(gm)
     gm = _name_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
@@ -252,8 +251,9 @@ class Split:
     n_saved: int
 
 
-def partition(joint: Joint, gm: fx.GraphModule) -> Split:
-    """See module doc. ``gm`` is the sharded joint graph (same placeholders/outputs as ``joint.gm``)."""
+def partition(joint: Joint, gm: fx.GraphModule, remat: str = "none", sizes: Sequence[int] = ()) -> Split:
+    """See module doc. ``gm`` is the sharded joint graph (same placeholders/outputs as ``joint.gm``);
+    ``remat`` the rematerialisation policy (``fxshard.remat``), ``sizes`` the mesh's axis sizes."""
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     primals, tangents = placeholders[: joint.n_primals], placeholders[joint.n_primals:]
@@ -275,8 +275,12 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
     for n in g.nodes:  # unpack forward tuples in the forward: save the parts, not the tuple
         if n.op == "call_function" and n.target is operator.getitem and n.args[0] in needed:
             needed.add(n)
-    # views of parameters are recomputed in the backward rather than saved
-    cheap: set[fx.Node] = set()
+    # the forward values the backward reads
+    reads = {a for n in g.nodes if n not in needed and n.op not in ("placeholder", "output")
+             for a in n.all_input_nodes if a in needed}
+    reads.update(gr for gr in grads if isinstance(gr, fx.Node) and gr in needed)
+    # views of parameters are recomputed in the backward rather than saved, and what the policy says
+    cheap = recomputed(g, needed, reads, fwd_outs, remat, sizes)
     for n in g.nodes:
         if (n in needed and n.op == "call_function" and n.target in VIEW_OPS and not n.meta.get(INSERTED_KEY)
                 and all(a in cheap or a in primals for a in n.all_input_nodes)):
@@ -286,15 +290,17 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
     recompute: set[fx.Node] = set()
 
     def need_in_bwd(a: fx.Node) -> None:
-        if a in cheap:
-            if a not in recompute:
-                recompute.add(a)
-                for b in a.all_input_nodes:
-                    need_in_bwd(b)
-        elif a in needed and a not in saved:
-            saved.append(a)
+        todo = [a]
+        while todo:
+            a = todo.pop()
+            if a in cheap:
+                if a not in recompute:
+                    recompute.add(a)
+                    todo.extend(reversed(a.all_input_nodes))  # visited in input order
+            elif a in needed and a not in saved:
+                saved.append(a)
 
-    for n in g.nodes:
+    for n in g.nodes:  # in graph order: the saved values keep the order of their first read
         if n in needed or n.op in ("placeholder", "output"):
             continue
         for a in n.all_input_nodes:
@@ -318,10 +324,31 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
         benv[s] = p
     for t in tangents:
         benv[t] = bwd.node_copy(t, lambda a: benv[a])
+    order = {n: i for i, n in enumerate(g.nodes)}
+
+    def materialize(n: fx.Node) -> None:
+        """Recompute ``n`` (and what it needs) in the backward right before its first reader: a layer is
+        recomputed when its backward starts, not all layers at the top of the backward."""
+        if n not in recompute or n in benv:
+            return
+        todo, closure = [n], set()
+        while todo:
+            a = todo.pop()
+            if a in recompute and a not in benv and a not in closure:
+                closure.add(a)
+                todo.extend(a.all_input_nodes)
+        for a in sorted(closure, key=order.__getitem__):
+            benv[a] = bwd.node_copy(a, lambda x: benv[x])
+
     for n in g.nodes:
-        if (n in needed and n not in recompute) or n.op in ("placeholder", "output"):
+        if n in needed or n.op in ("placeholder", "output"):
             continue
+        for a in n.all_input_nodes:
+            materialize(a)
         benv[n] = bwd.node_copy(n, lambda a: benv[a])
+    for gr in grads:
+        if isinstance(gr, fx.Node):
+            materialize(gr)
     bwd.output(tuple(benv[x] if isinstance(x, fx.Node) else x for x in grads))
     fgm = fx.GraphModule(gm, fwd)
     bgm = fx.GraphModule(gm, bwd)
@@ -331,18 +358,19 @@ def partition(joint: Joint, gm: fx.GraphModule) -> Split:
     return Split(fgm, bgm, len(saved))
 
 
-def joint_context(traced: Traced, ctx: ShardContext, joint: Joint) -> ShardContext:
+def joint_context(traced: Traced, ctx: ShardContext, joint: Joint, bucket_mb: Optional[float] = None) -> ShardContext:
     """The context of the joint graph from the forward's ``ctx``: primals keep the forward's seeds,
     tangents take the layout their output is required in, and each gradient (output
     ``len(ctx.out_required) + m`` for the ``m``-th of ``joint.diff_in``) its primal's layout."""
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
-    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner)
+    jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner,
+                        bucket_mb=bucket_mb)
     for f, j in zip(fwd_ph, joint_ph):
-        if f.name in ctx.seeds:
-            jctx.seeds[j.name] = ctx.seeds[f.name]
+        if f in ctx.seeds:
+            jctx.seeds[j] = ctx.seeds[f]
     k = len(ctx.mesh.sizes)
     for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
-        jctx.seeds[t.name] = ctx.out_required[i] or (R,) * k
-    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i].name) for i in joint.diff_in]
+        jctx.seeds[t] = ctx.out_required[i] or (R,) * k
+    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i]) for i in joint.diff_in]
     return jctx

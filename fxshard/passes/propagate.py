@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Sequence
+from contextvars import ContextVar
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -28,16 +29,19 @@ from ..context import ShardContext
 from ..cost import transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R
-from ..registry import OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
+from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all,
+                        strategy_specs, strategy_valid, tensor_inputs)
 from ..constrain import CONSTRAIN_OP
 from ..ir import (FALLBACK_KEY, IN_KEY, META_KEY, STRATEGY_KEY, NodeSharding, OpClass, is_op, set_sharding, source_line,
                   spec_of)
 from ..spec import Spec, fmt_placements, shard_factor, split_ok
 from ..symbolic import is_concrete, sym_shape
 
-__all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of", "strategy_valid", "out_specs"]
+__all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
 
-_WARNED: set[str] = set()
+# the ops whose fallback has been warned about in this context (an immutable set: a context copied
+# with contextvars starts from its parent's and adds its own)
+_WARNED: ContextVar[frozenset] = ContextVar("fxshard_fallback_warned", default=frozenset())
 
 
 def _nbytes(val: torch.Tensor) -> float:
@@ -57,15 +61,12 @@ def _dynamic_hint(shape: Sequence, pls: Sequence[Pl], sizes: Sequence[int]) -> s
     return ""
 
 
-def _pad(pls: Sequence[Pl], k: int) -> tuple[Pl, ...]:
-    return tuple(pls) + (R,) * (k - len(pls))
-
-
 def _warn_fallback(ctx: ShardContext, node: fx.Node) -> None:
     name = str(node.target)
     ctx.fallbacks.append(name)
-    if name not in _WARNED:
-        _WARNED.add(name)
+    warned = _WARNED.get()
+    if name not in warned:
+        _WARNED.set(warned | {name})
         warnings.warn(
             f"fxshard: no sharding rule for {name}; computing it on replicated inputs (all-gathered first). "
             f"The result is correct but costs communication and memory; see fxshard.explain() for where it runs.",
@@ -92,7 +93,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         val = node.meta.get("val")
         if node.op == "placeholder":
             if isinstance(val, torch.Tensor):
-                pls = ctx.seeds.get(node.name, (R,) * k)
+                pls = ctx.seeds.get(node, (R,) * k)
                 spec = Spec(tuple(pls), sym_shape(val), val.dtype)
                 if not split_ok(spec.shape, spec.placements, sizes, uneven=True):
                     raise ShardingError(
@@ -155,7 +156,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             for i, s, p in zip(ins, in_specs, st.inputs):
                 if p != s.placements[a]:
                     avail.setdefault((i.name, a), set()).add(p)
-        set_sharding(node, NodeSharding(out_specs(node, chosen, out_shape),
+        set_sharding(node, NodeSharding(strategy_specs(node, chosen, out_shape),
                                         tuple(tuple(st.inputs[i] for st in chosen) for i in range(len(ins))),
                                         tuple(chosen), fallback=rule is None,
                                         why=f"no sharding rule for {node.target}" if rule is None else ""))
@@ -246,42 +247,6 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
                 changed = True
         if not changed:
             return
-
-
-def strategy_valid(st: Strategy, chosen: list[Strategy], in_specs: list[Spec], out_shape: Any, sizes, k: int,
-                   uneven: bool) -> bool:
-    """Whether ``st``, on the axis after those ``chosen`` already has, leaves every input and output
-    split legally (dims divide, or are cut unevenly where the op's rule allows ``uneven``)."""
-    for i, s in enumerate(in_specs):
-        pls = _pad([c.inputs[i] for c in chosen] + [st.inputs[i]], k)
-        if not split_ok(s.shape, pls, sizes, uneven):
-            return False
-    multi = bool(out_shape) and (out_shape[0] is None or isinstance(out_shape[0], tuple))
-    shapes = out_shape if multi else (out_shape,)
-    outs = st.output if isinstance(st.output, tuple) else (st.output,) * len(shapes)
-    for j, (o, shp) in enumerate(zip(outs, shapes)):
-        if o is None or shp is None:
-            continue
-        prev = [(c.output[j] if isinstance(c.output, tuple) else c.output) for c in chosen]
-        if not split_ok(shp, _pad(prev + [o], k), sizes, uneven):
-            return False
-    return True
-
-
-def out_specs(node: fx.Node, chosen: list[Strategy], out_shape: Any):
-    """The node's output Spec (a tuple of them, None for non-tensors, for multi-output ops) under the
-    per-axis strategies ``chosen``."""
-    val = node.meta["val"]
-    if isinstance(val, torch.Tensor):
-        return Spec(tuple(st.output for st in chosen), out_shape, val.dtype)
-    specs = []
-    for j, v in enumerate(val):
-        if not isinstance(v, torch.Tensor):
-            specs.append(None)
-            continue
-        pls = tuple((st.output[j] if isinstance(st.output, tuple) else st.output) or R for st in chosen)
-        specs.append(Spec(pls, sym_shape(v), v.dtype))
-    return tuple(specs)
 
 
 def _require_outputs(node: fx.Node, ctx: ShardContext) -> None:

@@ -37,11 +37,11 @@ from ..context import ShardContext
 from ..cost import transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all, tensor_inputs
+from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all,
+                        strategy_specs, strategy_valid, tensor_inputs)
 from ..rules.matmul import ADD_EINSUMS, EINSUMS
 from ..spec import META_KEY, Spec
 from ..ir import FALLBACK_KEY, IN_KEY, STRATEGY_KEY
-from .propagate import out_specs, strategy_valid
 
 __all__ = ["solve", "price", "build_problem", "solve_problem", "Problem", "PLANNERS"]
 
@@ -556,4 +556,4 @@ def apply(gm: fx.GraphModule, ctx: ShardContext, problem: Problem, picks: dict[s
         strategies = [c.strategy for c in chosen]
         node.meta[STRATEGY_KEY] = tuple(strategies)
         node.meta[IN_KEY] = [tuple(st.inputs[i] for st in strategies) for i in range(len(strategies[0].inputs))]
-        node.meta[META_KEY] = out_specs(node, strategies, out_shape_of(node))
+        node.meta[META_KEY] = strategy_specs(node, strategies, out_shape_of(node))

@@ -18,6 +18,7 @@ No real weight is allocated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import math
@@ -25,7 +26,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -41,6 +42,7 @@ from .simplify import drop_noop_clones
 aten = torch.ops.aten
 
 __all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table", "joint_decomposition_table",
+           "tracing_errors",
            "FUSED_FORWARD", "FUSED_BACKWARD", "FUSED_GRAD_ARGS", "STOP_KEY"]
 
 
@@ -195,19 +197,35 @@ def _log_ndtr(a: torch.Tensor) -> torch.Tensor:
                        torch.log1p(-torch.erfc(t_high) / 2))
 
 
-def joint_decomposition_table() -> dict:
-    """The table joint (forward + backward) graphs are traced with.
+def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
+    """``scatter.value`` (nll_loss's backward) as ``scatter_add`` + ``where``: ``scatter_add``'s rule can
+    split the scattered dim (a masked local scatter), so a class-split loss needs no gather there."""
+    # counted in int32: a narrow dtype of self (uint8, bool) could wrap a count of repeated indices to 0
+    hits = torch.zeros_like(self, dtype=torch.int32).scatter_add(dim, index, torch.ones_like(index, dtype=torch.int32))
+    return torch.where(hits > 0, value, self)
 
-    Ensures: core ATen plus :func:`decomposition_table`, minus ``FUSED_FORWARD`` and ``FUSED_BACKWARD``
-    (fused kernels with sharding rules stay one node each).
-    """
+
+@functools.lru_cache(maxsize=None)
+def _make_fx_table() -> dict:
     from torch._decomp import core_aten_decompositions
 
     table = dict(core_aten_decompositions())
     table.update(decomposition_table().items())
+    table[aten.scatter.value] = _scatter_value
     for op in FUSED_FORWARD + FUSED_BACKWARD:
         table.pop(op, None)
     return table
+
+
+def joint_decomposition_table() -> dict:
+    """The one table graphs traced with ``make_fx`` use: the joint (forward + backward) graph of
+    ``fxshard.shard`` and ``fxshard.jit``'s functions (a fresh copy: callers may change it).
+
+    Ensures: core ATen plus :func:`decomposition_table` (the table ``trace_forward`` exports with)
+    and ``scatter.value`` as ``scatter_add`` + ``where``, minus ``FUSED_FORWARD`` and
+    ``FUSED_BACKWARD`` (fused kernels with sharding rules stay one node each).
+    """
+    return dict(_make_fx_table())
 
 
 @torch.library.custom_op("fxshard::stop_gradient", mutates_args=())
@@ -302,6 +320,24 @@ def tracing_error(what: str, e: BaseException, fix: str, where: Optional[str] = 
                "instead of `if`, torch.where(mask, x, 0) instead of x[mask]), Python ints for sizes and split "
                "points, or run that part outside the sharded module")
     return ShardingError(f"could not trace {what}: {type(e).__name__}: {msg} [at {where or _user_frame(e)}]; {fix}")
+
+
+Lazy = Union[str, Callable[[], Optional[str]]]
+
+
+@contextlib.contextmanager
+def tracing_errors(what: Lazy, fix: str, where: Optional[Lazy] = None) -> Iterator[None]:
+    """Turn any exception the block raises (torch's tracing exceptions, a RuntimeError from an op)
+    into :func:`tracing_error`; a ShardingError passes through unchanged. ``what`` and ``where``
+    may be callables, read when the trace fails (e.g. the node being traced then)."""
+    try:
+        yield
+    except ShardingError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
+        what_s = what() if callable(what) else what
+        where_s = where() if callable(where) else where
+        raise tracing_error(what_s, e, fix, where_s) from None
 
 
 @contextlib.contextmanager
@@ -419,20 +455,14 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     tensors = list(model.parameters()) + list(model.buffers())
     args, kwargs = _distinct(args, kwargs)
     args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
-    try:
-        with quiet_unless_ok():
-            with _boundary_hooks(model, boundaries):
-                ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
-                                         strict=False)
-            _mark_stop_gradients(ep.graph_module)
-            ep = ep.run_decompositions(decomposition_table(lambda t: _STOP(t)))
-    except ShardingError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one readable error
-        raise tracing_error(
-            f"{type(model).__name__} with torch.export (non-strict)", e,
-            "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on tensors) "
-            "or pass example_inputs matching forward's signature") from None
+    with tracing_errors(f"{type(model).__name__} with torch.export (non-strict)",
+                        "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on "
+                        "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok():
+        with _boundary_hooks(model, boundaries):
+            ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
+                                     strict=False)
+        _mark_stop_gradients(ep.graph_module)
+        ep = ep.run_decompositions(decomposition_table(lambda t: _STOP(t)))
 
     gm = ep.graph_module
     sig = ep.graph_signature

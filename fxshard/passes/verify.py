@@ -114,7 +114,8 @@ def _arrive(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
             _need(lowered and "local" in facts, f"{n.name}: {len(ins)} tensor inputs but {len(req)} requirements")
         for i, (inp, want) in enumerate(zip(ins, req)):
             spec = inp.meta.get(META_KEY)
-            if inp.op == "placeholder" or (isinstance(spec, Spec) and len(ins) == len(req)):
+            # a saved value fxshard inserted (a layout copy) is local already and carries no spec
+            if isinstance(spec, Spec) and (inp.op == "placeholder" or len(ins) == len(req)):
                 _need(_same_local(spec.placements, tuple(want), coords),
                       f"{n.name} reads input {i} {inp.name} laid out {spec} but needs {want}")
 

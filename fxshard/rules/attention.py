@@ -39,13 +39,13 @@ def _split_strategies(call: OpCall, n: int, n_split: int, q: Sequence[Dim], n_ou
     return res
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default, uneven=False)
 def sdpa_rule(call: OpCall, n: int) -> list[Strategy]:
     """q/k/v ``[B, H, T, E]`` (+ mask) -> (out ``[B, H, T, E]``, logsumexp ``[B, H, T]``)."""
     return _split_strategies(call, n, 3, call.in_shapes[0], 2, call.arg(3, "dropout_p", 0.0))
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, uneven=False)
 def sdpa_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """(grad_out, q, k, v, out ``[B, H, T, E]``, logsumexp ``[B, H, T]``, mask?) -> (grad_q, grad_k,
     grad_v): the forward's batch and head splits."""

@@ -11,7 +11,7 @@ from ..symbolic import divides
 aten = torch.ops.aten
 
 
-@register(aten.convolution.default)
+@register(aten.convolution.default, uneven=False)
 def conv_rule(call: OpCall, n: int) -> list[Strategy]:
     """``convolution(x[N, C, ...], w[O, C/g, ...], bias[O]?)`` for ``groups == 1``, not transposed."""
     x, w = call.in_shapes[0], call.in_shapes[1]
@@ -30,7 +30,7 @@ def conv_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.convolution_backward.default)
+@register(aten.convolution_backward.default, uneven=False)
 def conv_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``convolution_backward(grad_out, x, w, ...) -> (grad_x, grad_w, grad_bias)``: the forward's three
     splits seen from the gradients (batch: weight/bias grads Partial; output channels: input grad

@@ -10,7 +10,7 @@ from ..context import ShardContext
 from ..ir import META_KEY
 from ..lowering import Lowering, chunk_start, set_arg, shifted_index, zero_misses_after
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dim, register, tensor_inputs
+from ..registry import OpCall, Strategy, norm_dim, outer_of, register, tensor_inputs
 from ..spec import can_split
 from ..symbolic import equal
 
@@ -75,7 +75,7 @@ MASKED_INDEX_PUT = Lowering("masked_index_put", _masked_index_put)
 MASKED_SCATTER_ADD = Lowering("masked_scatter_add", _masked_scatter_add)
 
 
-@register(aten.embedding.default, uneven=True)
+@register(aten.embedding.default)
 def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
     """``embedding(weight[V, D], idx)``: split D (colwise), split V (masked lookup, Partial),
     or split the indices (batch)."""
@@ -88,13 +88,13 @@ def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
         res.append(Strategy((S(0), R), Part(), lowering=MASKED_EMBEDDING))
     cur = call.in_pls[1]
     for i, size in enumerate(idx):
-        o = cur.outer if isinstance(cur, S) and cur.dim == i else 1
+        o = outer_of(cur, i)
         if can_split(size, n, o):
             res.append(Strategy((R, S(i, o)), S(i, o)))
     return res
 
 
-@register(aten.embedding_dense_backward.default, uneven=True)
+@register(aten.embedding_dense_backward.default)
 def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``embedding_dense_backward(g[*idx, D], idx, V, padding_idx, scale_grad_by_freq) -> [V, D]``: the
     forward's splits seen from the gradient.
@@ -117,7 +117,7 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.gather.default, uneven=True)
+@register(aten.gather.default)
 def gather_rule(call: OpCall, n: int) -> list[Strategy]:
     """``gather(x, dim, index)``: split a non-gather dim of both, or split the gather dim of x
     (masked gather of the local range, Partial)."""
@@ -133,7 +133,7 @@ def gather_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.index_put.default, uneven=True)
+@register(aten.index_put.default)
 def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
     """``index_put(self, [idx], values, accumulate)`` (the embedding backward): split a non-indexed
     trailing dim; split the indexed dim 0 with a masked local write (accumulate only); or Partial
@@ -163,7 +163,7 @@ def index_put_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.scatter_add.default, uneven=True)
+@register(aten.scatter_add.default)
 def scatter_add_rule(call: OpCall, n: int) -> list[Strategy]:
     """``scatter_add(self, dim, index, src)`` (the gather backward): split a non-scatter dim of all
     three, split the scatter dim of self (masked local scatter), or Partial in (self, src)."""
@@ -184,7 +184,7 @@ def _max_indices(shape) -> object:
     return S(1) if len(shape) == 2 else R
 
 
-@register(aten._embedding_bag.default, uneven=True)
+@register(aten._embedding_bag.default)
 def embedding_bag_rule(call: OpCall, n: int) -> list[Strategy]:
     """``_embedding_bag(weight[V, D], indices, offsets, ..., per_sample_weights?, ...) -> (out[bags, D],
     offset2bag, bag_size, max_indices)``: each feature column is pooled on its own, so D splits."""
@@ -196,7 +196,7 @@ def embedding_bag_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten._embedding_bag_backward.default, uneven=True)
+@register(aten._embedding_bag_backward.default)
 def embedding_bag_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``_embedding_bag_backward(grad[bags, D], indices, offsets, offset2bag, bag_size, max_indices,
     num_weights, ...) -> [V, D]``: the forward's split of D."""
@@ -207,7 +207,7 @@ def embedding_bag_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten._embedding_bag_per_sample_weights_backward.default, uneven=True)
+@register(aten._embedding_bag_per_sample_weights_backward.default)
 def embedding_bag_weights_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``(grad[bags, D], weight[V, D], indices, offsets, offset2bag, mode, padding_idx) -> [indices]``: a
     sum over D, so split D gives this rank's terms."""

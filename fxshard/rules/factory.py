@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register
+from ..registry import OpCall, Strategy, outer_of, register
 
 aten = torch.ops.aten
 
@@ -21,12 +21,12 @@ LIKE = [
 ]
 
 
-@register(FRESH, uneven=True)
+@register(FRESH)
 def fresh_rule(call: OpCall, n: int) -> list[Strategy]:
     return [Strategy((R,) * len(call.in_shapes), R)]
 
 
-@register(LIKE, uneven=True)
+@register(LIKE)
 def like_rule(call: OpCall, n: int) -> list[Strategy]:
     """Same split as the input for ``*_like`` (shape follows the input); new_* sizes are explicit."""
     if call.node.target in (aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default):
@@ -36,6 +36,6 @@ def like_rule(call: OpCall, n: int) -> list[Strategy]:
         res.append(Strategy((Part(op),), R))
     cur = call.in_pls[0]
     for d in range(len(call.in_shapes[0])):
-        o = cur.outer if isinstance(cur, S) and cur.dim == d else 1
+        o = outer_of(cur, d)
         res.append(Strategy((S(d, o),), S(d, o)))
     return res

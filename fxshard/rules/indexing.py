@@ -31,7 +31,7 @@ def _partials(values: Sequence[bool]) -> list[Strategy]:
     return [Strategy(tuple(Part(op) if v else R for v in values), Part(op)) for op in ANY]
 
 
-@register(aten.index_select.default, uneven=True)
+@register(aten.index_select.default)
 def index_select_rule(call: OpCall, n: int) -> list[Strategy]:
     """``index_select(x, dim, index[k])``: split another dim of x, or the index (the output's ``dim``)."""
     x, idx = call.in_shapes
@@ -53,7 +53,7 @@ def _index_layout(x: Sequence[Dim], indices: Sequence, out: Sequence[Dim]) -> tu
     return pos, b, (pos[0] if contiguous else 0)
 
 
-@register(aten.index.Tensor, uneven=True)
+@register(aten.index.Tensor)
 def index_rule(call: OpCall, n: int) -> list[Strategy]:
     """``x[indices]`` (advanced indexing; None entries keep a dim whole): split a dim that is not indexed,
     or split every index tensor along one broadcast dim (size-1 and missing dims replicated)."""
@@ -90,21 +90,21 @@ def _scatter_like(call: OpCall, n: int, dims_of_src, k: int) -> list[Strategy]:
     return res
 
 
-@register(aten.slice_scatter.default, uneven=True)
+@register(aten.slice_scatter.default)
 def slice_scatter_rule(call: OpCall, n: int) -> list[Strategy]:
     """``slice_scatter(x, src, dim, start, end, step)``: ``src`` is x's shape but for ``dim``."""
     dim = norm_dim(call.arg(2, "dim", 0), len(call.in_shapes[0]))
     return _scatter_like(call, n, lambda d: d if d != dim else None, 2)
 
 
-@register(aten.select_scatter.default, uneven=True)
+@register(aten.select_scatter.default)
 def select_scatter_rule(call: OpCall, n: int) -> list[Strategy]:
     """``select_scatter(x, src, dim, index)``: ``src`` lacks ``dim``."""
     dim = norm_dim(call.arg(2, "dim"), len(call.in_shapes[0]))
     return _scatter_like(call, n, lambda d: None if d == dim else d - (d > dim), 2)
 
 
-@register(aten.diagonal_scatter.default, uneven=True)
+@register(aten.diagonal_scatter.default)
 def diagonal_scatter_rule(call: OpCall, n: int) -> list[Strategy]:
     """``diagonal_scatter(x, src, offset, dim1, dim2)``: ``src`` is the diagonal (other dims, then it)."""
     ndim = len(call.in_shapes[0])
@@ -113,7 +113,7 @@ def diagonal_scatter_rule(call: OpCall, n: int) -> list[Strategy]:
     return _scatter_like(call, n, lambda d: rest.index(d) if d in rest else None, 2)
 
 
-@register([aten.scatter.src, aten.scatter.value, aten.scatter_reduce.two], uneven=True)
+@register([aten.scatter.src, aten.scatter.value, aten.scatter_reduce.two])
 def scatter_rule(call: OpCall, n: int) -> list[Strategy]:
     """``scatter(x, dim, index, src|value)`` / ``scatter_reduce(x, dim, index, src, reduce)``: split a
     dim other than ``dim`` where every tensor input has x's size."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, all_r, register
+from ..registry import OpCall, Strategy, all_r, register, split_outers
 from ..spec import can_split
 from .pointwise import broadcast_placement
 
@@ -36,11 +36,8 @@ def einsum_strategies(eq: str, call: OpCall, n: int, first: int = 0) -> list[Str
         sizes.update(zip(t, shape))
     res = [Strategy(all_r(k), R)]
     for letter in dict.fromkeys(lhs.replace(",", "")):
-        outers = {1}
-        for t, p in zip(terms, call.in_pls[first:]):
-            if isinstance(p, S) and p.outer > 1 and letter in t and t.index(letter) == p.dim:
-                outers.add(p.outer)
-        for o in sorted(outers):
+        dims = [(p, t.index(letter) if letter in t else None) for t, p in zip(terms, call.in_pls[first:])]
+        for o in split_outers(dims):
             if not can_split(sizes[letter], n, o):
                 continue
             ins: list[Pl] = [R] * k
@@ -60,7 +57,7 @@ def _einsum_rule(call: OpCall, n: int) -> list[Strategy]:
     return einsum_strategies(EINSUMS[call.node.target], call, n)
 
 
-register(list(EINSUMS), _einsum_rule, uneven=True)
+register(list(EINSUMS), _einsum_rule)
 
 
 # ``beta * bias + alpha * contraction``: the bias broadcasts into the output
@@ -72,7 +69,7 @@ ADD_EINSUMS = {
 }
 
 
-@register(list(ADD_EINSUMS), uneven=True)
+@register(list(ADD_EINSUMS))
 def add_einsum_rule(call: OpCall, n: int) -> list[Strategy]:
     """``bias + contraction``: the contraction's strategies, with the bias following the output placement."""
     res = []

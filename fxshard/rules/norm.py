@@ -11,7 +11,7 @@ from ..spec import can_split
 aten = torch.ops.aten
 
 
-@register(aten.native_layer_norm.default, uneven=True)
+@register(aten.native_layer_norm.default)
 def layer_norm_rule(call: OpCall, n: int) -> list[Strategy]:
     """``native_layer_norm(x, normalized_shape, w, b, eps) -> (out, mean, rstd)``; w/b replicated."""
     x = call.in_shapes[0]
@@ -24,7 +24,7 @@ def layer_norm_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.native_layer_norm_backward.default, uneven=True)
+@register(aten.native_layer_norm_backward.default)
 def layer_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``native_layer_norm_backward(g, x, normalized_shape, mean, rstd, w?, b?, output_mask)
     -> (grad_x?, grad_w?, grad_b?)``.
@@ -48,7 +48,7 @@ def layer_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.native_group_norm.default, uneven=True)
+@register(aten.native_group_norm.default)
 def group_norm_rule(call: OpCall, n: int) -> list[Strategy]:
     """``native_group_norm(x[N, C, *], w?, b?, N, C, HxW, groups, eps) -> (out, mean[N, G], rstd[N, G])``:
     samples are normalized independently, so the batch splits."""
@@ -59,7 +59,7 @@ def group_norm_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten.native_group_norm_backward.default, uneven=True)
+@register(aten.native_group_norm_backward.default)
 def group_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     """``native_group_norm_backward(g, x, mean, rstd, w?, N, C, HxW, groups, output_mask)``: the batch
     split gives ``grad_x`` split and the weight/bias gradients as this rank's terms (``P(sum)``)."""
@@ -75,7 +75,7 @@ def group_norm_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten._native_batch_norm_legit_no_training.default, uneven=True)
+@register(aten._native_batch_norm_legit_no_training.default)
 def batch_norm_inference_rule(call: OpCall, n: int) -> list[Strategy]:
     """``_native_batch_norm_legit_no_training(x[N, C, *], w?, b?, running_mean, running_var, momentum,
     eps) -> (out, [0], [0])``: statistics are given per channel, so any dim but the channel dim splits."""
@@ -87,7 +87,7 @@ def batch_norm_inference_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(aten._native_batch_norm_legit_functional.default, uneven=True)
+@register(aten._native_batch_norm_legit_functional.default)
 def batch_norm_training_rule(call: OpCall, n: int) -> list[Strategy]:
     """``_native_batch_norm_legit_functional(x[N, C, *], w?, b?, running_mean[C], running_var[C], training,
     momentum, eps) -> (out, save_mean[C], save_rstd[C], new_running_mean[C], new_running_var[C])``: each

@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, all_r, register
+from ..registry import OpCall, Strategy, all_r, register, split_outers
 from ..spec import can_split
 from ..symbolic import Dim, equal
 
@@ -78,14 +78,6 @@ def dim_map(in_shape: Sequence[Dim], out_shape: Sequence[Dim]) -> list[Optional[
     return res
 
 
-def _outers_for(call: OpCall, maps: list[list[Optional[int]]], d: int) -> set[int]:
-    outers = {1}
-    for m, p in zip(maps, call.in_pls):
-        if isinstance(p, S) and p.outer > 1 and m[d] == p.dim:
-            outers.add(p.outer)
-    return outers
-
-
 def split_strategies(call: OpCall, n: int, out_shape: Sequence[Dim], in_idx: Sequence[int]) -> list[Strategy]:
     """Strategies splitting one output dim, for inputs ``in_idx`` broadcasting to ``out_shape``.
 
@@ -94,7 +86,7 @@ def split_strategies(call: OpCall, n: int, out_shape: Sequence[Dim], in_idx: Seq
     maps = {i: dim_map(call.in_shapes[i], out_shape) for i in in_idx}
     res = []
     for d, size in enumerate(out_shape):
-        for o in sorted(_outers_for(call, list(maps.values()), d)):
+        for o in split_outers((p, m[d]) for m, p in zip(maps.values(), call.in_pls)):
             if not can_split(size, n, o):
                 continue
             ins: list[Pl] = [R] * len(call.in_shapes)
@@ -166,4 +158,4 @@ def _first_output(call: OpCall) -> OpCall:
 
 for _kind, _names in (("copy", COPY), ("linear", LINEAR), ("mul", MUL), ("div", DIV), ("grad", GRAD),
                       ("nonlinear", NONLINEAR)):
-    register(_overloads(_names), pointwise_rule(_kind), uneven=True)
+    register(_overloads(_names), pointwise_rule(_kind))

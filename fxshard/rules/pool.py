@@ -48,7 +48,7 @@ SPATIAL: dict[Any, tuple[int, bool]] = {
 }
 
 
-@register(list(SPATIAL), uneven=True)
+@register(list(SPATIAL))
 def spatial_rule(call: OpCall, n: int) -> list[Strategy]:
     spatial, linear = SPATIAL[call.node.target]
     k = len(call.in_shapes)

@@ -63,7 +63,7 @@ from ..context import ShardContext, runtime_device
 from ..ir import INSERTED_KEY, META_KEY, STRATEGY_KEY
 from ..lowering import Lowering
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register, tensor_inputs
+from ..registry import OpCall, Strategy, outer_of, register, tensor_inputs
 from ..spec import Spec, local_shape, shard_factor
 from ..symbolic import is_concrete
 
@@ -134,7 +134,7 @@ def _splits(call: OpCall, lowering) -> list[tuple]:
     cur = call.in_pls[0]
     res = []
     for d in range(len(call.in_shapes[0])):
-        o = cur.outer if isinstance(cur, S) and cur.dim == d else 1
+        o = outer_of(cur, d)
         res.append((S(d, o), S(d, o), lowering))
     return res
 
@@ -143,7 +143,7 @@ def _rest(call: OpCall) -> tuple:
     return (R,) * (len(call.in_shapes) - 1)
 
 
-@register(DROPOUT, uneven=True)
+@register(DROPOUT)
 def dropout_rule(call: OpCall, n: int) -> list[Strategy]:
     """``(out, mask)``: follows the input's split (global mask, local chunk) or keeps ``P(sum)``."""
     train = call.arg(2, "train", None)
@@ -154,7 +154,7 @@ def dropout_rule(call: OpCall, n: int) -> list[Strategy]:
     return res
 
 
-@register(SHAPE_ONLY, uneven=True)
+@register(SHAPE_ONLY)
 def shape_only_rule(call: OpCall, n: int) -> list[Strategy]:
     """The draw follows the input's split (global draw, local chunk); a Partial input only lends its shape."""
     res = [Strategy((R,) + _rest(call), R)]

@@ -25,7 +25,7 @@ from ..context import ShardContext
 from ..ir import META_KEY
 from ..lowering import Lowering, follow_with
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dims, register, tensor_inputs
+from ..registry import OpCall, Strategy, norm_dims, register, split_outers, tensor_inputs
 from ..spec import can_split, is_uneven
 
 aten = torch.ops.aten
@@ -151,7 +151,7 @@ def _partial_of(call: OpCall, spec: Reduce) -> Optional[str]:
     return spec.partial
 
 
-@register(list(REDUCTIONS), uneven=True)
+@register(list(REDUCTIONS))
 def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
     spec = REDUCTIONS[call.node.target]
     split_partial = _partial_of(call, spec)
@@ -161,8 +161,7 @@ def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
     res = [Strategy((R,) + rest, out(R))]
     cur = call.in_pls[0]
     for d, size in enumerate(call.in_shapes[0]):
-        outers = {1} | ({cur.outer} if isinstance(cur, S) and cur.dim == d else set())
-        for o in sorted(outers):
+        for o in split_outers([(cur, d)]):
             if not can_split(size, n, o):
                 continue
             if d not in dims:

@@ -267,8 +267,7 @@ def malformed(st: Strategy, in_ndims: Sequence[int], out_ndims: Sequence[Optiona
 def strategies_for(node: fx.Node, n: int) -> list[Strategy]:
     """Every distinct strategy the node's rule offers that propagation would accept on an axis of ``n``
     (a malformed one raises: see :func:`malformed`)."""
-    from ..passes.propagate import strategy_valid
-    from ..registry import allows_uneven
+    from ..registry import allows_uneven, strategy_valid
 
     rule = lookup(node.target)
     ins = tensor_inputs(node)
@@ -294,7 +293,8 @@ def _local_run(call: _Call, st: Strategy, n: int, r: int, inputs: list[torch.Ten
                ) -> list[Optional[torch.Tensor]]:
     """Rank ``r``'s outputs: the graph localized for ``r`` (with strategy ``st``) run on its pieces."""
     from ..passes.localize import localize
-    from ..passes.propagate import IN_KEY, STRATEGY_KEY, out_specs
+    from ..ir import IN_KEY, STRATEGY_KEY
+    from ..registry import strategy_specs
 
     g, node, phs = call.graph()
     for ph, p in zip(phs, st.inputs):
@@ -302,7 +302,7 @@ def _local_run(call: _Call, st: Strategy, n: int, r: int, inputs: list[torch.Ten
         ph.meta[META_KEY] = Spec((p,), sym_shape(v), v.dtype)
     node.meta[STRATEGY_KEY] = (st,)
     node.meta[IN_KEY] = [(p,) for p in st.inputs]
-    node.meta[META_KEY] = out_specs(node, [st], out_shape_of(node))
+    node.meta[META_KEY] = strategy_specs(node, [st], out_shape_of(node))
     for user in node.users:
         if user.op == "call_function":
             user.meta[META_KEY] = node.meta[META_KEY][user.args[1]]

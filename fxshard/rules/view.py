@@ -17,7 +17,7 @@ import torch
 from ..errors import ShardingError
 from ..ir import source_line
 from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, norm_dim, norm_dims, register
+from ..registry import OpCall, Strategy, norm_dim, norm_dims, outer_of, register
 from ..spec import can_split
 from ..symbolic import Dim, divides, equal, exact_div, is_concrete, prod
 from .pointwise import dim_map
@@ -140,7 +140,7 @@ def _mapped_rule(mapper: Callable[[OpCall, S, int], Optional[S]]):
             res.append(Strategy((Part(op),) + rest, _multi(call, Part(op))))
         cur = call.in_pls[0]
         for d, size in enumerate(call.in_shapes[0]):
-            o = cur.outer if isinstance(cur, S) and cur.dim == d else 1
+            o = outer_of(cur, d)
             if not can_split(size, n, o):
                 continue
             out = mapper(call, S(d, o), n)
@@ -285,10 +285,10 @@ VIEW_OPS = {
     _repeat: [aten.repeat.default],
 }
 for _mapper, _ops in VIEW_OPS.items():
-    register(_ops, _mapped_rule(_mapper), uneven=True)
+    register(_ops, _mapped_rule(_mapper))
 
 
-@register(aten.cat.default, uneven=True)
+@register(aten.cat.default)
 def cat_rule(call: OpCall, n: int) -> list[Strategy]:
     """Concatenation: inputs split alike on a dim other than the cat dim, or all Partial."""
     k = len(call.in_shapes)
@@ -300,7 +300,7 @@ def cat_rule(call: OpCall, n: int) -> list[Strategy]:
             if all(len(s) == ndim for s in call.in_shapes):
                 res.append(Strategy((S(d),) * k, S(d)))
     # equal parts split alike on the cat dim concatenate to a packed dim (each rank's chunks, part by part)
-    o = call.in_pls[0].outer if isinstance(call.in_pls[0], S) and call.in_pls[0].dim == dim else 1
+    o = outer_of(call.in_pls[0], dim)
     if all(len(s) == ndim and equal(s[dim], call.in_shapes[0][dim]) for s in call.in_shapes) \
             and can_split(call.in_shapes[0][dim], n, o):
         res.append(Strategy((S(dim, o),) * k, S(dim, o * k)))
