@@ -103,13 +103,19 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     the indices in its range, the ``masked_embedding_backward`` lowering; not with ``scale_grad_by_freq``,
     whose per-row counts the redirected misses would change); or a ``P(sum)`` ``g`` (linear).
 
-    Split indices are gathered rather than offered as a strategy giving a ``P(sum)`` table: that is
-    correct (each rank's tokens give a term of the sum) but leaves a ``[V, D]`` reduction behind that
-    the greedy per-op cost cannot see, and tokens usually move fewer bytes than a table of ``V`` rows.
+    Or split indices (the batch): each rank accumulates its own tokens' rows into a ``P(sum)`` table,
+    the weight gradient DDP all-reduces, instead of gathering the activation gradient (which grows
+    with the batch); not with ``scale_grad_by_freq`` (the per-row counts would be this rank's).
     """
     g = call.in_shapes[0]
     v, d = call.out_shape
     res = [Strategy((R, R), R), Strategy((Part(), R), Part())]
+    if not call.arg(4, "scale_grad_by_freq", False):
+        cur = call.in_pls[1]
+        for i, size in enumerate(call.in_shapes[1]):
+            o = cur.outer if isinstance(cur, S) and cur.dim == i else 1
+            if can_split(size, n, o):
+                res.append(Strategy((S(i, o), S(i, o)), Part()))
     if can_split(d, n):
         res.append(Strategy((S(len(g) - 1), R), S(1)))
     if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
