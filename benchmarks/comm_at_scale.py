@@ -102,6 +102,7 @@ CONFIGS = {
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
 B = 4  # bytes per element: the models are fp32
+TOP_EXCESS = 12
 
 
 # ----------------------------------------------------------------------------------------- plans
@@ -459,15 +460,17 @@ def _extrapolate(by_depth: dict[int, Any], key: str, depth: int) -> Optional[flo
 
 
 def _stored(res: dict) -> dict:
-    """What the JSON keeps of one configuration: per depth the summaries, times and solve; the excess over
-    the analytic plan (kind, axis, bytes, value, layout change, op, where) at the deepest depth only."""
+    """What the JSON keeps of one configuration: per depth the summaries, times and solve; the largest
+    ``TOP_EXCESS`` collectives over the analytic plan (kind, axis, bytes, value, layout change, op, where)
+    at the deepest depth only (``--breakdown`` prints them all)."""
     keep = ("phase", "kind", "axis", "bytes", "value", "change", "serves", "where", "grad_of")
     by_layers = {}
     for L, r in res["by_layers"].items():
         row = {k: r[k] for k in ("fxshard", "analytic", "shard_s", "joint_nodes", "solve")}
         row["n_excess"], row["n_missing"] = len(r["excess"]), len(r["missing"])
         if int(L) == res["deepest"]:
-            row["excess"] = [{k: c[k] for k in keep if c.get(k)} for c in r["excess"]]
+            top = sorted(r["excess"], key=lambda c: -c["bytes"])[:TOP_EXCESS]
+            row["excess"] = [{k: c[k] for k in keep if c.get(k)} for c in top]
             row["missing"] = sorted({m["what"] for m in r["missing"]})
         by_layers[L] = row
     return {k: v for k, v in res.items() if k not in ("by_layers", "deepest")} | {"by_layers": by_layers}
