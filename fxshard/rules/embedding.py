@@ -110,15 +110,17 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     the indices in its range, the ``masked_embedding_backward`` lowering; not with ``scale_grad_by_freq``,
     whose per-row counts the redirected misses would change); or a ``P(sum)`` ``g`` (linear).
 
-    Or split indices (the batch): each rank accumulates its own tokens' rows into a ``P(sum)`` table,
-    the weight gradient DDP all-reduces, instead of gathering the activation gradient (which grows
-    with the batch); not with ``scale_grad_by_freq`` (the per-row counts would be this rank's).
+    Or indices that arrive split (the batch of data parallelism): each rank accumulates its own tokens'
+    rows into a ``P(sum)`` table, the weight gradient DDP all-reduces, instead of gathering the
+    activation gradient (which grows with the batch); not with ``scale_grad_by_freq`` (the per-row
+    counts would be this rank's). Replicated indices are not sliced for it: that would invent a split
+    whose table reduction the greedy per-op price cannot see (Megatron-SP gathers the gradient there).
     """
     g = call.in_shapes[0]
     v, d = call.out_shape
     res = [Strategy((R, R), R), Strategy((Part(), R), Part())]
     if not call.arg(4, "scale_grad_by_freq", False):
-        res += [Strategy((p, p), Part()) for p in _index_splits(call, n)]
+        res += [Strategy((p, p), Part()) for p in _index_splits(call, n) if p == call.in_pls[1]]
     if can_split(d, n):
         res.append(Strategy((S(len(g) - 1), R), S(1)))
     if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
