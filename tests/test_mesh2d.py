@@ -53,8 +53,9 @@ def test_tensor_parallel_plus_data_parallel_2x2():
         assert res["loss_err"] <= TOL and res["param_err"] <= TOL, res
         assert res["wq"] == (16, 32)
         bwd = res["stats"]["backward"]
-        # DDP falls out: replicated-on-dp parameters get their batch-partial gradients all-reduced
-        assert bwd["all_reduce"]["count"] > 0 and "reduce_scatter" not in bwd, bwd
+        # DDP falls out: replicated-on-dp parameters get their batch-partial gradients all-reduced, the
+        # (tied) embedding's too: each dp rank accumulates its own tokens' rows, no gradient is gathered
+        assert bwd["all_reduce"]["count"] > 0 and "reduce_scatter" not in bwd and "all_gather" not in bwd, bwd
 
 
 def test_tensor_parallel_plus_fsdp_2x2():
