@@ -102,6 +102,7 @@ CONFIGS = {
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A"}
 B = 4  # bytes per element: the models are fp32
+TOP_EXCESS = 12
 
 
 # ----------------------------------------------------------------------------------------- plans
@@ -458,6 +459,23 @@ def _extrapolate(by_depth: dict[int, Any], key: str, depth: int) -> Optional[flo
     return by_depth[b][key] + (depth - b) * per
 
 
+def _stored(res: dict) -> dict:
+    """What the JSON keeps of one configuration: per depth the summaries, times and solve; the largest
+    ``TOP_EXCESS`` collectives over the analytic plan (kind, axis, bytes, value, layout change, op, where)
+    at the deepest depth only (``--breakdown`` prints them all)."""
+    keep = ("phase", "kind", "axis", "bytes", "value", "change", "serves", "where", "grad_of")
+    by_layers = {}
+    for L, r in res["by_layers"].items():
+        row = {k: r[k] for k in ("fxshard", "analytic", "shard_s", "joint_nodes", "solve")}
+        row["n_excess"], row["n_missing"] = len(r["excess"]), len(r["missing"])
+        if int(L) == res["deepest"]:
+            top = sorted(r["excess"], key=lambda c: -c["bytes"])[:TOP_EXCESS]
+            row["excess"] = [{k: c[k] for k in keep if c.get(k)} for c in top]
+            row["missing"] = sorted({m["what"] for m in r["missing"]})
+        by_layers[L] = row
+    return {k: v for k, v in res.items() if k not in ("by_layers", "deepest")} | {"by_layers": by_layers}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -520,6 +538,7 @@ def main(argv=None) -> dict:
                               f"{ext['seconds'] / ref_full['seconds']:.2f}", f"{shard_full:.0f}"])
         results[f"{model}/{cname}/{planner}"] = {"config": cfg, "planner": planner,
                                                  "by_layers": {str(L): r for L, r in per_depth.items()},
+                                                 "deepest": max(per_depth),
                                                  "full_layers": full, "extrapolated": ext, "analytic_full": ref_full,
                                                  "shard_s_extrapolated": shard_full}
 
@@ -558,7 +577,8 @@ def main(argv=None) -> dict:
     wall = time.perf_counter() - t_start
     print(f"\nwall time {wall:.1f} s")
     out = {"impl": a.impl, "batch": a.batch, "seq": a.seq, "layers": a.layers, "bandwidth": bw, "alpha": alpha,
-           "models": {m: MODELS[m] for m in a.models}, "machine": info, "results": results, "wall_s": wall}
+           "models": {m: MODELS[m] for m in a.models}, "machine": info,
+           "results": {k: _stored(r) for k, r in results.items()}, "wall_s": wall}
     print(f"wrote {write_json(a.out, out)}")
     return out
 

@@ -214,12 +214,13 @@ def check_divisible(name: str, shape: Sequence, pls: Sequence[Pl], mesh: MeshInf
         f = 1
         for a in axes:
             f *= mesh.sizes[a]
-        if f == 1 or split_ok((size,), [S(0, pls[a].outer) for a in axes],
-                              [mesh.sizes[a] for a in axes], uneven=uneven):
+        outer = max([pls[a].outer for a in axes], default=1)
+        shared = outer > 1 and len(axes) > 1  # legal inside a program ([B*H] merges), not as a user's layout
+        if f == 1 or (not shared and split_ok((size,), [S(0, pls[a].outer) for a in axes],
+                                              [mesh.sizes[a] for a in axes], uneven=uneven)):
             continue
         names = " x ".join(f"'{mesh.names[a]}' ({mesh.sizes[a]})" for a in axes)
-        outer = max(pls[a].outer for a in axes)
-        if outer > 1 and len(axes) > 1:
+        if shared:
             why = f"a packed dim ({outer} blocks) is split over one mesh axis only"
         elif outer > 1:
             why = f"each of its {outer} packed blocks must split evenly ({outer} x {f} must divide {size})"

@@ -11,7 +11,7 @@ from .placements import Part, Pl, R, S
 from .symbolic import Dim, ceil_div, divides, exact_div, is_concrete, prod
 
 __all__ = ["Spec", "META_KEY", "fmt_placements", "shard_factor", "local_shape", "chunk", "can_split",
-           "split_ok", "is_uneven", "chunk_index"]
+           "split_ok", "local_outer", "is_uneven", "chunk_index"]
 
 META_KEY = "fxshard_spec"
 
@@ -65,23 +65,41 @@ def chunk_index(pls: Sequence[Pl], sizes: Sequence[int], coords: Sequence[int], 
 
 def split_ok(shape: Sequence[Dim], pls: Sequence[Pl], sizes: Sequence[int], uneven: bool = False) -> bool:
     """Every split dim exists and divides; with ``uneven``, a dim split over ONE mesh axis may instead
-    be cut unevenly (see :func:`can_split`). A dim split over several axes must divide evenly, and a
-    strided split may not share its dim with another axis (collectives treat its outer factor as global)."""
-    split = [p for p in pls if isinstance(p, S)]
-    for p in split:
-        if p.dim >= len(shape) or (p.outer > 1 and sum(1 for q in split if q.dim == p.dim) > 1):
-            return False
+    be cut unevenly (see :func:`can_split`). A dim split over several axes must divide evenly. A strided
+    split ``S(d, k)`` may share its dim only with plain splits that cut whole blocks (their product
+    divides ``k``): the ``[B*H]`` merge of attention with ``B`` on ``dp`` and ``H`` on ``tp``; each rank
+    holds the intersection of the pieces (see :func:`local_outer`)."""
+    split = [(p, n) for p, n in zip(pls, sizes) if isinstance(p, S)]
+    if any(p.dim >= len(shape) for p, _ in split):
+        return False
     for d, size in enumerate(shape):
-        axes = [n for p, n in zip(pls, sizes) if isinstance(p, S) and p.dim == d and n > 1]
-        f = prod(axes)
-        outer = max([p.outer for p in split if p.dim == d], default=1)
-        if f == 1 or divides(size, f * outer):
-            continue
-        if outer > 1:
+        on_d = [(p, n) for p, n in split if p.dim == d and n > 1]
+        strided = [(p, n) for p, n in on_d if p.outer > 1]
+        if len(strided) > 1:
             return False
-        if not (uneven and len(axes) == 1 and can_split(size, f)):
+        if strided:
+            (sp, sn), = strided
+            plain = prod(n for p, n in on_d if p.outer == 1)
+            if sp.outer % plain or not divides(size, sp.outer * sn):
+                return False
+            continue
+        f = prod(n for _, n in on_d)
+        if f == 1 or divides(size, f):
+            continue
+        if not (uneven and len(on_d) == 1 and can_split(size, f)):
             return False
     return True
+
+
+def local_outer(pls: Sequence[Pl], sizes: Sequence[int], a: int) -> Pl:
+    """Axis ``a``'s placement as seen on this rank's piece: a strided split ``S(d, k)`` whose dim other
+    axes also split (plainly, whole blocks, :func:`split_ok`) has ``k / their product`` blocks locally;
+    collectives and slices work on local pieces, so they take this form."""
+    p = pls[a]
+    if not isinstance(p, S) or p.outer == 1:
+        return p
+    f = prod(n for i, (q, n) in enumerate(zip(pls, sizes)) if i != a and isinstance(q, S) and q.dim == p.dim)
+    return S(p.dim, p.outer // f)
 
 
 def local_shape(shape: Sequence[Dim], pls: Sequence[Pl], sizes: Sequence[int],

@@ -18,7 +18,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from .placements import Part, Pl, R, S
-from .spec import is_uneven, local_shape
+from .spec import is_uneven, local_outer, local_shape
 from .symbolic import Dim, ceil_div, is_concrete, prod
 
 __all__ = ["Step", "plan_transition", "COLLECTIVE_KINDS", "WIDEN", "hint"]
@@ -101,6 +101,7 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
     def add(kind: str, a: int, s: Pl, d: Pl, lshape: tuple, nbytes: Optional[int] = None,
             gsize: Optional[Dim] = None) -> None:
         size = hint(prod(lshape)) * itemsize if nbytes is None else nbytes
+        s, d = (local_outer([p if i == a else q for i, q in enumerate(cur)], sizes, a) for p in (s, d))
         steps.append(Step(kind, a, s, d, lshape, size, gsize))
 
     for a in reversed(range(len(cur))):

@@ -3,10 +3,14 @@ parameter sharding on dp, trained with AdamW against the unsharded model on the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
+import torch
 
 import fxshard
+from fxshard.ir import META_KEY
+from fxshard.spec import fmt_placements
 from fxshard import P
 from tests import models
 from tests.dist_utils import run_ranks
@@ -49,8 +53,9 @@ def test_tensor_parallel_plus_data_parallel_2x2():
         assert res["loss_err"] <= TOL and res["param_err"] <= TOL, res
         assert res["wq"] == (16, 32)
         bwd = res["stats"]["backward"]
-        # DDP falls out: replicated-on-dp parameters get their batch-partial gradients all-reduced
-        assert bwd["all_reduce"]["count"] > 0 and "reduce_scatter" not in bwd, bwd
+        # DDP falls out: replicated-on-dp parameters get their batch-partial gradients all-reduced, the
+        # (tied) embedding's too: each dp rank accumulates its own tokens' rows, no gradient is gathered
+        assert bwd["all_reduce"]["count"] > 0 and "reduce_scatter" not in bwd and "all_gather" not in bwd, bwd
 
 
 def test_tensor_parallel_plus_fsdp_2x2():
@@ -61,22 +66,36 @@ def test_tensor_parallel_plus_fsdp_2x2():
         assert bwd["reduce_scatter"]["count"] > 0  # gradients of dp-split weights arrive reduce-scattered
 
 
-def _llama_sp_2d(rank: int, world: int) -> dict:
+def _llama_2d(rank: int, world: int) -> dict:
+    """Llama on dp x tp trained against the unsharded model on the global batch: seed 003's sequence-parallel
+    plan, and the Megatron plan traced with math attention (``[B*H]`` merges feeding ``bmm``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from tests.test_plans import llama_seed003_plan
+    from tests.test_training import llama_megatron_plan
 
     mesh = fxshard.init_mesh(dp=2, tp=2)
     dp_rank = mesh.get_coordinate()[0]
-    model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
     batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 3)) for s in range(2)]
     local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
-    sm = fxshard.shard(copy.deepcopy(model), mesh, llama_seed003_plan(), example_inputs=batches[0],
-                       in_specs=(P("dp"), P("dp")))
-    loss_err = train_on_local_batches(model, sm, batches, local, steps=2)
-    return {"loss_err": loss_err, "param_err": _max_param_diff(sm.full_state_dict(), model)}
+    out = {}
+    for name, plan, math in (("sp", llama_seed003_plan(), False), ("megatron_math", llama_megatron_plan(1), True)):
+        model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
+        with sdpa_kernel([SDPBackend.MATH]) if math else contextlib.nullcontext():
+            sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batches[0], in_specs=(P("dp"), P("dp")))
+            loss_err = train_on_local_batches(model, sm, batches, local, steps=2)
+        bmm = {fmt_placements(n.meta[META_KEY].placements) for prog in sm._programs()
+               for n in prog.gm.graph.nodes if n.target is torch.ops.aten.bmm.default}
+        out[name] = {"loss_err": loss_err, "param_err": _max_param_diff(sm.full_state_dict(), model), "bmm": bmm}
+    return out
 
 
-def test_seed003_sequence_parallel_plan_with_data_parallel_2x2():
-    # batch split on dp and sequence split on tp share the flattened [batch*seq] dim of the MLP:
-    # a regression test for combining a strided split with another axis on one dim
-    for res in run_ranks(_llama_sp_2d, 4, timeout=300):
-        assert res["loss_err"] <= TOL and res["param_err"] <= TOL, res
+def test_llama_with_data_parallel_2x2():
+    """Seed 003's plan: batch split on dp and sequence split on tp share the flattened [batch*seq] dim of
+    the MLP (a regression test for combining a strided split with another axis on one dim). Megatron with
+    math attention: batch on dp and heads on tp share the [batch*heads] dim of every bmm, forward and
+    backward, the heads kept split (strided) rather than gathered."""
+    for res in run_ranks(_llama_2d, 4, timeout=300):
+        for name, r in res.items():
+            assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (name, r)
+        assert res["megatron_math"]["bmm"] == {"[S(0), S(0,o4)]"}, res["megatron_math"]

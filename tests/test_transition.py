@@ -83,3 +83,32 @@ def test_propagation_price_is_the_price_of_the_planned_steps(n):
     for src, dst in itertools.product(PLACEMENTS, PLACEMENTS):
         want = price(plan_transition((src,), (dst,), shape, mesh, dtype), (n,))
         assert transition_cost(src, dst, nbytes, n) == pytest.approx(want, rel=1e-12), (src, dst)
+
+
+@pytest.mark.parametrize("order", ["dp_major", "tp_major"])
+def test_a_merged_dim_split_by_a_plain_and_a_strided_axis(order):
+    """``[B*H]`` with ``B`` on dp and ``H`` on tp (attention's merge): plain ``S(0)`` on dp, strided
+    ``S(0, B)`` on tp. Legal together, and slicing a replicated value into it gives every rank the
+    ``[B/dp, H/tp]`` block of the unmerged tensor, whichever mesh axis is major (the strided step
+    sees ``B/dp`` blocks in the local piece once dp has cut it)."""
+    B, H, D = 4, 6, 3
+    plain, strided = S(0), S(0, B)
+    pls = (plain, strided) if order == "dp_major" else (strided, plain)
+    sizes = (2, 3) if order == "dp_major" else (3, 2)
+    assert split_ok((B * H, D), pls, sizes)
+    assert not split_ok((B * H, D), (S(0, 3), strided), (2, 3))  # two strided axes on one dim
+    assert not split_ok((B * H, D), (S(0), S(0, 2)), (4, 3))  # dp cuts inside the strided blocks
+    x = torch.arange(B * H * D, dtype=torch.float32).view(B * H, D)
+    for coords in itertools.product(*(range(n) for n in sizes)):
+        mesh = _mesh(sizes, coords)
+        dp, tp = coords if order == "dp_major" else coords[::-1]
+        g = fx.Graph()
+        inp = g.placeholder("x")
+        inp.meta["val"] = torch.empty(B * H, D, device="meta")
+        out = g.output(None)
+        piece = redistribute_nodes(Emitter(g, out, {}), inp, Spec((R, R), (B * H, D), torch.float32), pls, mesh)
+        out.args = (piece,)
+        got = fx.GraphModule(torch.nn.Module(), g)(x)
+        want = x.view(B, H, D)[dp * 2:(dp + 1) * 2, tp * 2:(tp + 1) * 2].reshape(-1, D)
+        assert torch.equal(got, want), (order, coords)
+        assert got.shape == local_shape((B * H, D), pls, sizes, coords)

@@ -79,18 +79,25 @@ MASKED_SCATTER_ADD = Lowering("masked_scatter_add", _masked_scatter_add)
 def embedding_rule(call: OpCall, n: int) -> list[Strategy]:
     """``embedding(weight[V, D], idx)``: split D (colwise), split V (masked lookup, Partial),
     or split the indices (batch)."""
-    (v, d), idx = call.in_shapes[0], call.in_shapes[1]
+    v, d = call.in_shapes[0]
     out_nd = len(call.out_shape)
     res = [Strategy((R, R), R)]
     if can_split(d, n):
         res.append(Strategy((S(1), R), S(out_nd - 1)))
     if can_split(v, n):
         res.append(Strategy((S(0), R), Part(), lowering=MASKED_EMBEDDING))
+    res += [Strategy((R, p), p) for p in _index_splits(call, n)]
+    return res
+
+
+def _index_splits(call: OpCall, n: int) -> list[S]:
+    """Every split of the indices (input 1) over ``n`` ranks, strided as the indices arrive."""
     cur = call.in_pls[1]
-    for i, size in enumerate(idx):
+    res = []
+    for i, size in enumerate(call.in_shapes[1]):
         o = outer_of(cur, i)
         if can_split(size, n, o):
-            res.append(Strategy((R, S(i, o)), S(i, o)))
+            res.append(S(i, o))
     return res
 
 
@@ -103,13 +110,17 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     the indices in its range, the ``masked_embedding_backward`` lowering; not with ``scale_grad_by_freq``,
     whose per-row counts the redirected misses would change); or a ``P(sum)`` ``g`` (linear).
 
-    Split indices are gathered rather than offered as a strategy giving a ``P(sum)`` table: that is
-    correct (each rank's tokens give a term of the sum) but leaves a ``[V, D]`` reduction behind that
-    the greedy per-op cost cannot see, and tokens usually move fewer bytes than a table of ``V`` rows.
+    Or indices that arrive split (the batch of data parallelism): each rank accumulates its own tokens'
+    rows into a ``P(sum)`` table, the weight gradient DDP all-reduces, instead of gathering the
+    activation gradient (which grows with the batch); not with ``scale_grad_by_freq`` (the per-row
+    counts would be this rank's). Replicated indices are not sliced for it: that would invent a split
+    whose table reduction the greedy per-op price cannot see (Megatron-SP gathers the gradient there).
     """
     g = call.in_shapes[0]
     v, d = call.out_shape
     res = [Strategy((R, R), R), Strategy((Part(), R), Part())]
+    if not call.arg(4, "scale_grad_by_freq", False):
+        res += [Strategy((p, p), Part()) for p in _index_splits(call, n) if p == call.in_pls[1]]
     if can_split(d, n):
         res.append(Strategy((S(len(g) - 1), R), S(1)))
     if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
