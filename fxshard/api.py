@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from .consistency import fingerprint
@@ -140,7 +141,22 @@ def _module_tree(model: nn.Module) -> list[tuple[str, str, bool, str]]:
 
 def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
                     ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device]:
-    """Trace ``model`` in its current modes and shard every program (a collective: the consistency check)."""
+    """Trace ``model`` in its current modes and shard every program (a collective: the consistency check).
+
+    Graph modules are lazy while tracing and passes rewrite them (each ``recompile`` only marks the
+    code stale; generating Python for a 10k-node graph takes a tenth of a second, dozens of times
+    over); the finished programs' code is generated once, here.
+    """
+    with _use_lazy_graph_module(True):
+        out = _shard_programs_lazily(model, info, req, say)
+    progs = out[0]
+    for prog in (progs.forward,) + ((progs.training.fwd, progs.training.bwd) if progs.training else ()):
+        _LazyGraphModule.force_recompile(prog.gm)
+    return out
+
+
+def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
+                           ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device]:
     example_inputs, kwargs = req.example_inputs, req.kwargs
     check_consistent(info, req.in_specs, req.out_specs, fingerprint(req.plan, model, example_inputs))
     say("checking the plan")
