@@ -68,10 +68,13 @@ def split_ok(shape: Sequence[Dim], pls: Sequence[Pl], sizes: Sequence[int], unev
     be cut unevenly (see :func:`can_split`). A dim split over several axes must divide evenly, and a
     strided split may not share its dim with another axis (collectives treat its outer factor as global)."""
     split = [p for p in pls if isinstance(p, S)]
+    if not split:  # the common case, on the hot path of propagation
+        return True
     for p in split:
         if p.dim >= len(shape) or (p.outer > 1 and sum(1 for q in split if q.dim == p.dim) > 1):
             return False
-    for d, size in enumerate(shape):
+    for d in {p.dim for p in split}:  # a dim no axis splits always passes
+        size = shape[d]
         axes = [n for p, n in zip(pls, sizes) if isinstance(p, S) and p.dim == d and n > 1]
         f = prod(axes)
         outer = max([p.outer for p in split if p.dim == d], default=1)
