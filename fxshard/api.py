@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -145,10 +146,19 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
 
     Graph modules are lazy while tracing and passes rewrite them (each ``recompile`` only marks the
     code stale; generating Python for a 10k-node graph takes a tenth of a second, dozens of times
-    over); the finished programs' code is generated once, here.
+    over); the finished programs' code is generated once, here. The objects alive before the call
+    (torch's own, the model) are frozen out of the garbage collector meanwhile, so its full
+    collections scan only what sharding allocates (unless the caller froze some already).
     """
-    with _use_lazy_graph_module(True):
-        out = _shard_programs_lazily(model, info, req, say)
+    freeze = gc.isenabled() and gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        with _use_lazy_graph_module(True):
+            out = _shard_programs_lazily(model, info, req, say)
+    finally:
+        if freeze:
+            gc.unfreeze()
     progs = out[0]
     for prog in (progs.forward,) + ((progs.training.fwd, progs.training.bwd) if progs.training else ()):
         _LazyGraphModule.force_recompile(prog.gm)
