@@ -8,12 +8,14 @@
 10000 x 1024) with the seed's plan (``net1`` column-wise, ``net2`` row-wise) on a 2-rank mesh of the
 fake process group, each contender in a fresh process per round (what a user's script pays once):
 after ``import torch`` and the process group, the time to import the library and shard once
-(``fxshard.shard`` vs ``parallelize_module``), then a second call in the same process (warm).
+(``fxshard.shard`` vs ``parallelize_module``), then a second call in the same process (warm);
+wall and CPU (``time.process_time``) seconds.
 Ratios are medians of per-round ratios (contenders interleaved, order rotated per round).
 
 ``--mode phases``: the 32-layer model below with ``planner="greedy"`` and ``"global"``: total time
 and per phase (``torch.export`` + decompositions of the forward, joint trace, each pipeline pass
-summed over the training and inference programs, the rest of ``shard()``).
+summed over the training and inference programs, the rest of ``shard()``), wall seconds, and the
+CPU seconds of the whole call (``time.process_time``: less sensitive to other jobs on the machine).
 
 Default (``--mode depth``):
 Model: ``tests.models.LlamaDecoder`` at 8B width (dim 4096, 32 heads, 8 KV heads, MLP 14336,
@@ -97,7 +99,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 if WHO == "fxshard":
     import fxshard
     from fxshard import ColwiseParallel, RowwiseParallel
@@ -107,15 +109,15 @@ else:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     def run(m, mesh, plan):
         return parallelize_module(m, mesh, plan)
-t_import = time.perf_counter() - t
+t_import, c_import = time.perf_counter() - t, time.process_time() - c
 from tests.models import ToyModel
 mesh = init_device_mesh("cpu", (2,))
-out = {"import": t_import}
+out = {"import": t_import, "cpu import": c_import}
 for key in ("first", "warm"):
     model, plan = ToyModel(1024, 4096), {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     run(model, mesh, plan)
-    out[key] = time.perf_counter() - t
+    out[key], out["cpu " + key] = time.perf_counter() - t, time.process_time() - c
 dist.destroy_process_group()
 print("RESULT " + json.dumps(out))
 """
@@ -136,6 +138,7 @@ def toy_once(who: str) -> dict:
         raise RuntimeError(f"{who} child failed:\n{res.stderr[-3000:]}")
     out = json.loads(line[len("RESULT "):])
     out["cold"] = out["import"] + out["first"]
+    out["cpu cold"] = out["cpu import"] + out["cpu first"]
     return out
 
 
@@ -150,13 +153,14 @@ def toy(rounds: int) -> dict:
         f, d = runs["fxshard"][-1], runs["dtensor"][-1]
         print(f"  round {r + 1}/{rounds}: fxshard import+first {f['cold']:.2f} s (warm {f['warm']:.3f}), "
               f"dtensor {d['cold']:.2f} s (warm {d['warm']:.3f})", flush=True)
-    keys = ("import", "first", "cold", "warm")
+    keys = ("import", "first", "cold", "warm", "cpu cold", "cpu warm")
     med = {w: {k: median([x[k] for x in runs[w]]) for k in keys} for w in runs}
     ratio = {k: ratio_median([x[k] for x in runs["fxshard"]], [x[k] for x in runs["dtensor"]]) for k in keys}
     print(f"seed 000 ToyModel (in 1024, hidden 4096, training), 2-rank fake process group, fresh process per "
           f"contender and round; median of {rounds} rounds")
     rows = [[w] + [f"{med[w][k]:.3f}" for k in keys] for w in runs] + [["ratio"] + [f"{ratio[k]:.2f}" for k in keys]]
-    print(table(rows, ["contender", "library import s", "first call s", "import + first s", "warm call s"]))
+    print(table(rows, ["contender", "library import s", "first call s", "import + first s", "warm call s",
+                       "import + first CPU s", "warm CPU s"]))
     return {"runs": runs, "median_s": med, "ratio": ratio}
 
 
@@ -192,10 +196,10 @@ def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 12
     marks: list[tuple[str, float]] = []
     acc: dict[str, float] = {}
     gc.collect()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), planner=planner,
                   progress=lambda msg: marks.append((msg, time.perf_counter())), pipeline=timed_pipeline(acc))
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     stage = {}
     for i, (msg, t) in enumerate(marks):
         end = marks[i + 1][1] if i + 1 < len(marks) else t0 + total
@@ -204,6 +208,7 @@ def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 12
            "joint trace": stage.get("trace joint", 0.0)}
     out.update(acc)
     out["other"] = total - sum(v for k, v in out.items() if k != "total")
+    out["total CPU (process time)"] = cpu
     return out
 
 
