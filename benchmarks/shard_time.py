@@ -1,7 +1,23 @@
-"""Wall time of ``fxshard.shard()`` on meta-device Llama-3-8B-wide models of 2..32 layers, TP=8.
+"""Wall time of ``fxshard.shard()``: vs DTensor on seed 000, per phase at 8B x 32 layers, vs depth.
 
-    .venv/bin/python benchmarks/shard_time.py [--rounds 3] [--layers 2 4 8 16 32]
+    .venv/bin/python benchmarks/shard_time.py --mode toy [--rounds 5]      # seed 000: fxshard vs DTensor
+    .venv/bin/python benchmarks/shard_time.py --mode phases [--rounds 2]   # 8B, 32 layers, per phase
+    .venv/bin/python benchmarks/shard_time.py [--rounds 3] [--layers 2 4 8 16 32]   # vs depth (default)
 
+``--mode toy``: seed 000's ToyModel (in 1024, hidden 4096, parameters requiring grad, input
+10000 x 1024) with the seed's plan (``net1`` column-wise, ``net2`` row-wise) on a 2-rank mesh of the
+fake process group, each contender in a fresh process per round (what a user's script pays once):
+after ``import torch`` and the process group, the time to import the library and shard once
+(``fxshard.shard`` vs ``parallelize_module``), then a second call in the same process (warm);
+wall and CPU (``time.process_time``) seconds.
+Ratios are medians of per-round ratios (contenders interleaved, order rotated per round).
+
+``--mode phases``: the 32-layer model below with ``planner="greedy"`` and ``"global"``: total time
+and per phase (``torch.export`` + decompositions of the forward, joint trace, each pipeline pass
+summed over the training and inference programs, the rest of ``shard()``), wall seconds, and the
+CPU seconds of the whole call (``time.process_time``: less sensitive to other jobs on the machine).
+
+Default (``--mode depth``):
 Model: ``tests.models.LlamaDecoder`` at 8B width (dim 4096, 32 heads, 8 KV heads, MLP 14336,
 vocab 128256) built on the meta device (no weights allocated), with the loss inside
 (``forward(tokens, targets)``, batch 8 x 128), parameters requiring grad (training: the
@@ -75,6 +91,155 @@ def shard_once(n_layers: int, mesh, batch: int = 8, seq: int = 128) -> dict:
     return {"total": t1 - t0, "stages": stages, "joint_nodes": nodes[0]}
 
 
+TOY_CHILD = r"""
+import json, sys, time
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+sys.path.insert(0, ROOT)
+torch.set_num_threads(1)
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+t, c = time.perf_counter(), time.process_time()
+if WHO == "fxshard":
+    import fxshard
+    from fxshard import ColwiseParallel, RowwiseParallel
+    def run(m, mesh, plan):
+        return fxshard.shard(m, mesh, plan, example_inputs=(torch.rand(10000, 1024),))
+else:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    def run(m, mesh, plan):
+        return parallelize_module(m, mesh, plan)
+t_import, c_import = time.perf_counter() - t, time.process_time() - c
+from tests.models import ToyModel
+mesh = init_device_mesh("cpu", (2,))
+out = {"import": t_import, "cpu import": c_import}
+for key in ("first", "warm"):
+    model, plan = ToyModel(1024, 4096), {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    t, c = time.perf_counter(), time.process_time()
+    run(model, mesh, plan)
+    out[key], out["cpu " + key] = time.perf_counter() - t, time.process_time() - c
+dist.destroy_process_group()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def toy_once(who: str) -> dict:
+    """Seed 000's ToyModel sharded by ``who`` ("fxshard" or "dtensor") in a fresh process; seconds."""
+    import json
+    import subprocess
+
+    from benchmarks._common import ROOT
+
+    code = f"ROOT = {ROOT!r}; WHO = {who!r}\n" + TOY_CHILD
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if res.returncode or line is None:
+        raise RuntimeError(f"{who} child failed:\n{res.stderr[-3000:]}")
+    out = json.loads(line[len("RESULT "):])
+    out["cold"] = out["import"] + out["first"]
+    out["cpu cold"] = out["cpu import"] + out["cpu first"]
+    return out
+
+
+def toy(rounds: int) -> dict:
+    """Interleaved rounds of ``toy_once`` for both contenders; medians and median per-round ratios."""
+    from benchmarks._common import ratio_median, rotated
+
+    runs: dict[str, list[dict]] = {"fxshard": [], "dtensor": []}
+    for r in range(rounds):
+        for who in rotated(list(runs), r):
+            runs[who].append(toy_once(who))
+        f, d = runs["fxshard"][-1], runs["dtensor"][-1]
+        print(f"  round {r + 1}/{rounds}: fxshard import+first {f['cold']:.2f} s (warm {f['warm']:.3f}), "
+              f"dtensor {d['cold']:.2f} s (warm {d['warm']:.3f})", flush=True)
+    keys = ("import", "first", "cold", "warm", "cpu cold", "cpu warm")
+    med = {w: {k: median([x[k] for x in runs[w]]) for k in keys} for w in runs}
+    ratio = {k: ratio_median([x[k] for x in runs["fxshard"]], [x[k] for x in runs["dtensor"]]) for k in keys}
+    print(f"seed 000 ToyModel (in 1024, hidden 4096, training), 2-rank fake process group, fresh process per "
+          f"contender and round; median of {rounds} rounds")
+    rows = [[w] + [f"{med[w][k]:.3f}" for k in keys] for w in runs] + [["ratio"] + [f"{ratio[k]:.2f}" for k in keys]]
+    print(table(rows, ["contender", "library import s", "first call s", "import + first s", "warm call s",
+                       "import + first CPU s", "warm CPU s"]))
+    return {"runs": runs, "median_s": med, "ratio": ratio}
+
+
+def timed_pipeline(acc: dict[str, float]):
+    """``fxshard.pipeline.DEFAULT`` with every pass's wall time added to ``acc[pass name]``."""
+    import dataclasses
+
+    from fxshard.pipeline import DEFAULT, Pipeline
+
+    def wrap(p):
+        def fn(gm, ctx):
+            t = time.perf_counter()
+            try:
+                return p.fn(gm, ctx)
+            finally:
+                acc[p.name] = acc.get(p.name, 0.0) + time.perf_counter() - t
+        return dataclasses.replace(p, fn=fn)
+
+    return Pipeline(tuple(wrap(p) for p in DEFAULT.passes))
+
+
+def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 128) -> dict:
+    """Shard the 8B-wide model of ``n_layers`` once; total and per-phase seconds."""
+    import torch
+
+    import fxshard
+    from examples.llama_shapes import PLAN
+    from tests.models import LlamaDecoder
+
+    with torch.device("meta"):
+        model = LlamaDecoder(n_layers=n_layers, **LLAMA8B)
+    tokens = torch.zeros(batch, seq, dtype=torch.long)
+    marks: list[tuple[str, float]] = []
+    acc: dict[str, float] = {}
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), planner=planner,
+                  progress=lambda msg: marks.append((msg, time.perf_counter())), pipeline=timed_pipeline(acc))
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    stage = {}
+    for i, (msg, t) in enumerate(marks):
+        end = marks[i + 1][1] if i + 1 < len(marks) else t0 + total
+        stage[next(v for k, v in STAGES.items() if msg.startswith(k))] = end - t
+    out = {"total": total, "export (trace forward)": stage.get("trace forward", 0.0),
+           "joint trace": stage.get("trace joint", 0.0)}
+    out.update(acc)
+    out["other"] = total - sum(v for k, v in out.items() if k != "total")
+    out["total CPU (process time)"] = cpu
+    return out
+
+
+def phases(rounds: int, n_layers: int, tp: int) -> dict:
+    """Interleaved rounds of ``phases_once`` for both planners; medians per phase."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks._common import rotated
+
+    planners = ["greedy", "global"]
+    runs: dict[str, list[dict]] = {p: [] for p in planners}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    try:
+        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
+        phases_once(2, mesh, "greedy")  # warm-up: first-call imports and caches
+        for r in range(rounds):
+            for p in rotated(planners, r):
+                runs[p].append(phases_once(n_layers, mesh, p))
+                print(f"  round {r + 1}/{rounds}: planner={p} {runs[p][-1]['total']:6.2f} s", flush=True)
+    finally:
+        dist.destroy_process_group()
+    names = list(runs["greedy"][0])
+    med = {p: {k: median([x.get(k, 0.0) for x in runs[p]]) for k in names} for p in planners}
+    print(f"fxshard.shard() of the 8B-wide model, {n_layers} layers, training, TP={tp} (fake process group); "
+          f"median of {rounds} rounds, seconds")
+    print(table([[k] + [f"{med[p][k]:.2f}" for p in planners] for k in names], ["phase"] + planners))
+    return {"layers": n_layers, "tp": tp, "rounds": rounds, "runs": runs, "median_s": med}
+
+
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Least squares ``y = a + b x``; returns (a, b, r^2)."""
     n = len(xs)
@@ -92,7 +257,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--tp", type=int, default=8)
+    ap.add_argument("--mode", choices=["depth", "toy", "phases"], default="depth")
     a = ap.parse_args(argv)
+    if a.mode != "depth":
+        import torch
+
+        torch.set_num_threads(1)
+        info = machine()
+        print(f"load average at start: {info['load_avg_at_start']}")
+        out = toy(a.rounds) if a.mode == "toy" else phases(a.rounds, max(a.layers), a.tp)
+        out["machine"] = info
+        out["load_avg_at_end"] = list(os.getloadavg())
+        print(f"load average at end: {out['load_avg_at_end']}")
+        print(f"wrote {write_json(f'shard_time_{a.mode}.json', out)}")
+        return out
 
     import torch
     import torch.distributed as dist

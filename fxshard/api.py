@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from .auto import AutoReport, complete_plan, measure, parse_budget
@@ -174,7 +176,31 @@ def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str]]:
 def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
                     ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device, Optional[AutoReport]]:
     """Trace ``model`` in its current modes and shard every program (a collective: the consistency check);
-    with ``req.auto``, the plan is completed first (the report; None otherwise)."""
+    with ``req.auto``, the plan is completed first (the report; None otherwise).
+
+    Graph modules are lazy while tracing and passes rewrite them (each ``recompile`` only marks the
+    code stale; generating Python for a 10k-node graph takes a tenth of a second, dozens of times
+    over); the finished programs' code is generated once, here. The objects alive before the call
+    (torch's own, the model) are frozen out of the garbage collector meanwhile, so its full
+    collections scan only what sharding allocates (unless the caller froze some already).
+    """
+    freeze = gc.isenabled() and gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
+    try:
+        with _use_lazy_graph_module(True):
+            out = _shard_programs_lazily(model, info, req, say)
+    finally:
+        if freeze:
+            gc.unfreeze()
+    progs = out[0]
+    for prog in (progs.forward,) + ((progs.training.fwd, progs.training.bwd) if progs.training else ()):
+        _LazyGraphModule.force_recompile(prog.gm)
+    return out
+
+
+def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
+                           ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device, Optional[AutoReport]]:
     example_inputs, kwargs = req.example_inputs, req.kwargs
     check_consistent(info, req.in_specs, req.out_specs, fingerprint(req.plan, model, example_inputs))
     say("checking the plan")

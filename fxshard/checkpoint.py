@@ -26,11 +26,9 @@ import itertools
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -40,6 +38,10 @@ from .errors import ShardingError
 from .mesh import MeshInfo
 from .placements import Pl, S, from_torch, to_torch
 from .spec import chunk, chunk_index, shard_factor
+
+if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is not needed to shard a model
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem
 
 __all__ = ["Piece", "rank_pieces", "assemble", "take", "to_dtensor", "SliceReader", "open_checkpoint", "held_pieces",
            "storage", "global_view", "local_piece"]
@@ -106,6 +108,8 @@ class _PackedDTensor(DTensor):
 
     @staticmethod
     def _chunk(p: Piece) -> ChunkStorageMetadata:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
         return ChunkStorageMetadata(offsets=torch.Size(s.start for s in p.src),
                                     sizes=torch.Size(s.stop - s.start for s in p.src))
 
@@ -113,6 +117,9 @@ class _PackedDTensor(DTensor):
         return [self._chunk(p) for p in self._pieces()]
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
         props = TensorProperties.create_from_tensor(self._local_tensor)
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=c, properties=props, size=self.size()))

@@ -122,9 +122,10 @@ def is_tensor_node(a: Any) -> bool:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor arguments in pytree order of ``(args, kwargs)`` (repeats kept)."""
-    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
-    return [a for a in flat if is_tensor_node(a)]
+    """The node's tensor arguments in the order of ``(args, kwargs)`` (repeats kept)."""
+    out: list[fx.Node] = []
+    fx.node.map_arg((node.args, node.kwargs), lambda a: out.append(a) if is_tensor_node(a) else None)
+    return out
 
 
 def out_shape_of(node: fx.Node) -> Any:

@@ -70,9 +70,12 @@ def split_ok(shape: Sequence[Dim], pls: Sequence[Pl], sizes: Sequence[int], unev
     divides ``k``): the ``[B*H]`` merge of attention with ``B`` on ``dp`` and ``H`` on ``tp``; each rank
     holds the intersection of the pieces (see :func:`local_outer`)."""
     split = [(p, n) for p, n in zip(pls, sizes) if isinstance(p, S)]
+    if not split:  # the common case, on the hot path of propagation
+        return True
     if any(p.dim >= len(shape) for p, _ in split):
         return False
-    for d, size in enumerate(shape):
+    for d in {p.dim for p, _ in split}:  # a dim no axis splits always passes
+        size = shape[d]
         on_d = [(p, n) for p, n in split if p.dim == d and n > 1]
         strided = [(p, n) for p, n in on_d if p.outer > 1]
         if len(strided) > 1:

@@ -364,3 +364,27 @@ def test_plan_64_ranks_in_one_process(fake_mesh):
     assert len(heads) == 3 * n_layers and all(list(n.args[1]) == [2, 16, 1, 2] for n in heads)  # one head per rank
     shifted = ops(gm, aten.embedding.default)[0].args[1].args[0]
     assert shifted.args[1] == rank * (vocab // 64)
+
+
+def test_shard_restores_the_collector_and_returns_compiled_programs(mesh2) -> None:
+    """shard() freezes the objects alive before it out of the garbage collector while it runs (speed)
+    and thaws them after, leaving a caller's own freeze alone; its graph modules are lazy meanwhile,
+    and the programs it returns have their code generated."""
+    import gc
+
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    x = torch.randn(4, 8)
+    sm = fxshard.shard(models.ToyModel(8, 16), mesh2, plan, example_inputs=(x,))
+    assert gc.get_freeze_count() == 0
+    cur = sm._current
+    for prog in (cur.forward, cur.training.fwd, cur.training.bwd):
+        assert not (isinstance(prog.gm, _LazyGraphModule) and prog.gm._needs_recompile()), prog.label
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        fxshard.shard(models.ToyModel(8, 16), mesh2, plan, example_inputs=(x,))
+        assert gc.get_freeze_count() > frozen // 2  # still frozen (a few frozen objects may have been freed)
+    finally:
+        gc.unfreeze()

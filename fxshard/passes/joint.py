@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._decomp import decomposition_table
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch._dispatch.python import enable_python_dispatcher
 from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -161,7 +162,7 @@ def _name_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             env[n] = g.node_copy(n, lambda a: env[a])
-    return fx.GraphModule(gm, g)
+    return _make_graph_module(gm, g)
 
 
 def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) -> Joint:
@@ -350,8 +351,8 @@ def partition(joint: Joint, gm: fx.GraphModule, remat: str = "none", sizes: Sequ
         if isinstance(gr, fx.Node):
             materialize(gr)
     bwd.output(tuple(benv[x] if isinstance(x, fx.Node) else x for x in grads))
-    fgm = fx.GraphModule(gm, fwd)
-    bgm = fx.GraphModule(gm, bwd)
+    fgm = _make_graph_module(gm, fwd)
+    bgm = _make_graph_module(gm, bwd)
     for m in (fgm, bgm):
         m.graph.eliminate_dead_code()
         m.recompile()

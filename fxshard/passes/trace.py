@@ -287,6 +287,7 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
     Requires a functional graph: two equal nodes of a graph that mutates could hold different values
     by the time they are read, so a graph with any in-place op is returned unchanged.
     """
+    from torch.fx._lazy_graph_module import _get_graph_module_cls
     from torch.fx.passes.dialect.common.cse_pass import CSEPass
 
     if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
@@ -294,6 +295,9 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
 
     res = CSEPass(banned_ops=_RandomOps())(gm)  # two draws are two draws: never merge random ops
     out = res.graph_module if res.modified else gm
+    cls = _get_graph_module_cls()  # lazy while shard() runs: later passes' recompiles only mark the code stale
+    if not isinstance(out, cls):
+        out = cls(out, out.graph)
     out.recompile()
     return out
 
