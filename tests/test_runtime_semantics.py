@@ -141,7 +141,7 @@ def test_mode_changes_reshard_once_per_combination(mesh2):
     sm.drop1.eval()
     sm(x8())
     assert len(sm._by_mode) == 3
-    with pytest.raises(ShardingError, match=r"the Dropout inside a ShardedModule cannot run on its own"):
+    with pytest.raises(ShardingError, match=r"the Dropout 'drop1' inside a ShardedModule cannot run on its own"):
         sm.drop1(x8())
 
 
