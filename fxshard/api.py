@@ -36,7 +36,7 @@ from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
 from .progress import Progress, reporter
-from .remat import check_policy
+from .remat import Policy, check_policy
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
 from .spec import local_shape
@@ -49,7 +49,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
           bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: Optional[str] = None, remat: str = "none",
-          auto: bool = False, memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
+          remat_budget: Union[int, float, str, None] = None, auto: bool = False,
+          memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
           pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -90,6 +91,9 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     ``ModuleList``/``Sequential``) in its backward from the layer's saved input, ``"auto"`` recomputes
     cheap elementwise ops and views where that lowers the saved bytes (a min-cut). Random draws are never
     recomputed: gradients are those of ``"none"``. ``fxshard.memory(sm)["saved"]`` reports the result.
+    ``remat_budget`` (with ``"auto"`` or ``"layers"``) bounds the saved activations per rank, in bytes
+    (``"2GiB"`` works) or as a float in ``(0, 1]``, a fraction of what ``"none"`` saves: whole layers
+    are checkpointed too, first layers first, as few as fit (a budget nothing meets is a ShardingError).
 
     Values: as with torch's ParallelStyles, every parameter and buffer comes from rank
     ``src_data_rank`` (default 0; a coordinate on every mesh axis): each full tensor is broadcast
@@ -117,7 +121,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                                   or not bucket_mb >= 0):
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
-    check_policy(remat)
+    remat = check_policy(remat, remat_budget)
     if planner is not None and planner not in PLANNERS:
         raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
     budget = parse_budget(memory_budget)
@@ -161,7 +165,7 @@ class _Request:
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
     planner: Optional[str] = None  # None: "global" when auto chose placements, else "greedy"
-    remat: str = "none"
+    remat: Policy = Policy()
     auto: bool = False
     budget: Optional[int] = None
 
@@ -306,7 +310,7 @@ def _mode_text(modes: dict[str, bool]) -> str:
 
 def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
                     say: Callable[[str], None], pipeline: Pipeline,
-                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, remat: str = "none") -> Training:
+                    bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, remat: Policy = Policy()) -> Training:
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)

@@ -28,7 +28,6 @@ import copy
 import dataclasses
 import itertools
 import operator
-import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from .ir import META_KEY, VIEW_OPS
 from .memory import liveness_peak
 from .registry import output_leaves
 from .placements import Pl, R, S
+from .sizes import fmt_bytes as _fmt, parse_bytes
 from .spec import Spec
 from .passes.solve import UNIT, build_problem, plan_cost, solve_problem
 
@@ -59,30 +59,12 @@ STATE_BYTES = 4  # each kept in fp32
 GAP = 0.01
 TIME_LIMIT = 60.0  # seconds; then the best plan found is taken, rank 0's on every rank
 ROUNDS = 3  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py)
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_budget(budget: Union[int, float, str, None]) -> Optional[int]:
     """Bytes per rank from ``budget``: a number of bytes, or a string like ``"8GiB"``, ``"512 MiB"``,
     ``"1.5GB"`` (None: no budget). Anything else is a ShardingError."""
-    if budget is None:
-        return None
-    if isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0:
-        return int(budget)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", budget) if isinstance(budget, str) else None
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise ShardingError(f"memory_budget={budget!r} is not a memory size; give bytes per rank as a positive "
-                            f"number or a string such as '8GiB', '512MiB' or '1.5GB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
+    return parse_bytes(budget, "memory_budget")
 
 
 @dataclass(frozen=True)

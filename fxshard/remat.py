@@ -22,33 +22,61 @@ values instead of reading them saved (``recomputed``):
 
 Random ops are never recomputed (a second draw would differ from the first), so every policy gives
 the gradients of ``"none"``; collectives are not either (no communication is added to the backward).
+
+A *budget* (``shard(..., remat="auto" | "layers", remat_budget=...)``) bounds the bytes of the
+activations the forward saves on each rank: a number of bytes (``"2GiB"`` works) or, as a float in
+``(0, 1]``, a fraction of what ``"none"`` saves (like AOTAutograd's ``activation_memory_budget``).
+The policy's own choice (``"auto"``'s cut; nothing for ``"layers"``) is kept if it fits; otherwise
+whole layers are checkpointed too, the first layers first (their activations live longest), as few
+as fit. A budget that even every layer checkpointed does not meet is a ShardingError giving the
+smallest saved size found.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
 from .collectives import hint
 from .errors import ShardingError
+from .sizes import fmt_bytes, parse_bytes
 from .ir import INSERTED_KEY, META_KEY, VIEW_OPS
 from .spec import Spec
 
-__all__ = ["POLICIES", "check_policy", "recomputed"]
+__all__ = ["POLICIES", "Policy", "check_policy", "recomputed", "layer_sets", "fit_budget", "value_bytes"]
 
 POLICIES = ("none", "layers", "auto")
 
 
-def check_policy(remat: Any) -> str:
-    """``remat`` if it names a policy, else a ShardingError listing them."""
+@dataclass(frozen=True)
+class Policy:
+    """A rematerialisation policy: its name (``POLICIES``) and the budget of saved activations per rank
+    (None: unbounded; a float in ``(0, 1]``: a fraction of what ``"none"`` saves; else bytes)."""
+
+    name: str = "none"
+    budget: Union[None, int, float] = None
+
+
+def check_policy(remat: Any, budget: Union[None, int, float, str] = None) -> Policy:
+    """The :class:`Policy` ``remat`` names with ``budget``, else a ShardingError saying what to pass."""
+    if isinstance(remat, Policy):
+        return remat
     if not isinstance(remat, str) or remat not in POLICIES:
         raise ShardingError(f"remat={remat!r} is not a rematerialisation policy; use one of {POLICIES} (default "
                             f"'none': save every activation the backward reads; 'layers': recompute each layer's "
                             f"forward in the backward; 'auto': recompute cheap elementwise ops where that saves memory)")
-    return remat
+    if budget is None:
+        return Policy(remat)
+    if remat == "none":
+        raise ShardingError(f"remat_budget={budget!r} was given with remat='none', which recomputes nothing; pass "
+                            f"remat='auto' (cheap ops, then whole layers as needed) or remat='layers'")
+    if isinstance(budget, float) and 0 < budget <= 1:
+        return Policy(remat, budget)
+    return Policy(remat, parse_bytes(budget, "remat_budget"))
 
 
 def _random(n: fx.Node) -> bool:
@@ -80,7 +108,8 @@ def _block(n: fx.Node) -> Optional[str]:
     return None
 
 
-def _layers(g: fx.Graph, forward: set[fx.Node], fwd_outs: Sequence[Any]) -> set[fx.Node]:
+def layer_sets(g: fx.Graph, forward: set[fx.Node], fwd_outs: Sequence[Any]) -> list[set[fx.Node]]:
+    """Per layer, in forward order: the nodes ``"layers"`` recomputes (see module doc)."""
     layer: dict[fx.Node, Optional[str]] = {}
     for n in g.nodes:
         if n not in forward or n.op != "call_function":
@@ -90,13 +119,13 @@ def _layers(g: fx.Graph, forward: set[fx.Node], fwd_outs: Sequence[Any]) -> set[
         else:  # inserted by fxshard or by the trace: the layer of its first input that has one
             layer[n] = next((layer[a] for a in n.all_input_nodes if layer.get(a)), None)
     outs = {o for o in fwd_outs if isinstance(o, fx.Node)}
-    chosen = set()
+    chosen: dict[str, set[fx.Node]] = {}
     for n, name in layer.items():
         if name is None or not _recomputable(n) or n in outs:
             continue
         if all(layer.get(u) == name for u in n.users if u in forward):
-            chosen.add(n)
-    return chosen
+            chosen.setdefault(name, set()).add(n)
+    return list(chosen.values())
 
 
 def _cheap(n: fx.Node) -> bool:
@@ -105,7 +134,7 @@ def _cheap(n: fx.Node) -> bool:
         isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags))
 
 
-def _bytes(n: fx.Node, sizes: Sequence[int]) -> int:
+def value_bytes(n: fx.Node, sizes: Sequence[int]) -> int:
     """Local bytes of ``n``'s value (global bytes when it carries no spec)."""
     spec, val = n.meta.get(META_KEY), n.meta.get("val")
     specs = spec if isinstance(spec, tuple) else (spec,)
@@ -139,7 +168,7 @@ def _min_cut(g: fx.Graph, forward: set[fx.Node], reads: set[fx.Node], sizes: Seq
             if tuple_valued:  # saved as its items, never as the tuple
                 net.add_edge((n, "in"), (n, "out"))
             else:
-                net.add_edge((n, "in"), (n, "out"), capacity=_bytes(n, sizes))
+                net.add_edge((n, "in"), (n, "out"), capacity=value_bytes(n, sizes))
         for u in n.users:
             if u in forward:
                 net.add_edge((n, "out"), (u, "in"))
@@ -161,10 +190,33 @@ def recomputed(g: fx.Graph, forward: set[fx.Node], reads: set[fx.Node], fwd_outs
     (see module doc) instead of reading them saved; ``reads``: the forward nodes the backward reads;
     ``sizes``: the mesh's axis sizes."""
     if policy == "layers":
-        chosen = _layers(g, forward, fwd_outs)
+        chosen = set().union(*layer_sets(g, forward, fwd_outs))
     elif policy == "auto":
         chosen = _min_cut(g, forward, reads, sizes)
     else:
         chosen = set()
     # an item of a multi-output op is recomputed only with the op: a tuple is never saved
     return {n for n in chosen if n.target is not operator.getitem or n.args[0] in chosen}
+
+
+def fit_budget(policy: Policy, base: set[fx.Node], layers: list[set[fx.Node]],
+               saved_bytes: Callable[[set[fx.Node]], int]) -> set[fx.Node]:
+    """The recompute set under ``policy``'s budget: ``base`` (the policy's own choice) if what the forward
+    then saves (``saved_bytes(recompute set)``) fits, else ``base`` plus the first ``k`` of ``layers`` for
+    the smallest ``k`` that fits (see module doc); a ShardingError when none does."""
+    budget = policy.budget
+    if budget is None:
+        return base
+    limit = budget * saved_bytes(set()) if isinstance(budget, float) else budget
+    chosen, smallest = set(base), saved_bytes(base)
+    for k in range(len(layers) + 1):
+        if k:
+            chosen |= layers[k - 1]
+            smallest = min(smallest, saved_bytes(chosen))
+        if smallest <= limit:
+            return chosen
+    what = f"{budget:g} of what remat='none' saves ({fmt_bytes(limit)})" if isinstance(budget, float) else \
+        fmt_bytes(limit)
+    raise ShardingError(f"remat_budget: the forward saves at least {fmt_bytes(smallest)} per rank for the backward "
+                        f"even with all {len(layers)} layers checkpointed, more than the budget of {what}; raise "
+                        f"remat_budget, or split the activations over more ranks (in_specs, sequence parallelism)")

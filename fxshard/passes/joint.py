@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -51,7 +51,7 @@ from ..errors import ShardingError
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
 from ..placements import R
 from ..registry import output_leaves
-from ..remat import recomputed
+from ..remat import Policy, check_policy, fit_budget, layer_sets, recomputed, value_bytes
 from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
 
 __all__ = ["Joint", "trace_joint", "joint_context", "partition", "Split"]
@@ -252,9 +252,10 @@ class Split:
     n_saved: int
 
 
-def partition(joint: Joint, gm: fx.GraphModule, remat: str = "none", sizes: Sequence[int] = ()) -> Split:
+def partition(joint: Joint, gm: fx.GraphModule, remat: Union[str, Policy] = "none", sizes: Sequence[int] = ()) -> Split:
     """See module doc. ``gm`` is the sharded joint graph (same placeholders/outputs as ``joint.gm``);
-    ``remat`` the rematerialisation policy (``fxshard.remat``), ``sizes`` the mesh's axis sizes."""
+    ``remat`` the rematerialisation policy (``fxshard.remat``: a name or a ``Policy`` with a budget),
+    ``sizes`` the mesh's axis sizes."""
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     primals, tangents = placeholders[: joint.n_primals], placeholders[joint.n_primals:]
@@ -281,34 +282,57 @@ def partition(joint: Joint, gm: fx.GraphModule, remat: str = "none", sizes: Sequ
              for a in n.all_input_nodes if a in needed}
     reads.update(gr for gr in grads if isinstance(gr, fx.Node) and gr in needed)
     # views of parameters are recomputed in the backward rather than saved, and what the policy says
-    cheap = recomputed(g, needed, reads, fwd_outs, remat, sizes)
-    for n in g.nodes:
-        if (n in needed and n.op == "call_function" and n.target in VIEW_OPS and not n.meta.get(INSERTED_KEY)
-                and all(a in cheap or a in primals for a in n.all_input_nodes)):
-            cheap.add(n)
+    def with_param_views(cheap: set[fx.Node]) -> set[fx.Node]:
+        cheap = set(cheap)
+        for n in g.nodes:
+            if (n in needed and n.op == "call_function" and n.target in VIEW_OPS and not n.meta.get(INSERTED_KEY)
+                    and all(a in cheap or a in primals for a in n.all_input_nodes)):
+                cheap.add(n)
+        return cheap
 
-    saved: list[fx.Node] = []
-    recompute: set[fx.Node] = set()
+    def saved_and_recomputed(cheap: set[fx.Node]) -> tuple[list[fx.Node], set[fx.Node]]:
+        saved: list[fx.Node] = []
+        recompute: set[fx.Node] = set()
 
-    def need_in_bwd(a: fx.Node) -> None:
-        todo = [a]
-        while todo:
-            a = todo.pop()
-            if a in cheap:
-                if a not in recompute:
-                    recompute.add(a)
-                    todo.extend(reversed(a.all_input_nodes))  # visited in input order
-            elif a in needed and a not in saved:
-                saved.append(a)
+        def need_in_bwd(a: fx.Node) -> None:
+            todo = [a]
+            while todo:
+                a = todo.pop()
+                if a in cheap:
+                    if a not in recompute:
+                        recompute.add(a)
+                        todo.extend(reversed(a.all_input_nodes))  # visited in input order
+                elif a in needed and a not in saved:
+                    saved.append(a)
 
-    for n in g.nodes:  # in graph order: the saved values keep the order of their first read
-        if n in needed or n.op in ("placeholder", "output"):
-            continue
-        for a in n.all_input_nodes:
-            need_in_bwd(a)
-    for gr in grads:
-        if isinstance(gr, fx.Node) and gr in needed:
-            need_in_bwd(gr)
+        for n in g.nodes:  # in graph order: the saved values keep the order of their first read
+            if n in needed or n.op in ("placeholder", "output"):
+                continue
+            for a in n.all_input_nodes:
+                need_in_bwd(a)
+        for gr in grads:
+            if isinstance(gr, fx.Node) and gr in needed:
+                need_in_bwd(gr)
+        return saved, recompute
+
+    def saved_bytes(cheap: set[fx.Node]) -> int:
+        """Local bytes the forward saves (as ``fxshard.memory`` counts them: a view as its storage, once;
+        inputs, parameters and buffers not at all)."""
+        owners = set()
+        for s in saved_and_recomputed(with_param_views(cheap))[0]:
+            while (s.op == "call_function" and s.target in VIEW_OPS and isinstance(s.args[0], fx.Node)
+                   and "val" in s.args[0].meta):  # a collective's result is sized at its wait_tensor
+                s = s.args[0]
+            if s.op != "placeholder":
+                owners.add(s)
+        return sum(value_bytes(s, sizes) for s in owners)
+
+    policy = check_policy(remat)
+    base = recomputed(g, needed, reads, fwd_outs, policy.name, sizes)
+    if policy.budget is not None:
+        layers = layer_sets(g, needed, fwd_outs)
+        base = fit_budget(policy, base if policy.name == "auto" else set(), layers, saved_bytes)
+    saved, recompute = saved_and_recomputed(with_param_views(base))
 
     fwd = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
