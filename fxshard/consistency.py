@@ -48,10 +48,9 @@ def check_same_on_all_ranks(fp: dict[str, str], mesh: Optional["MeshInfo"] = Non
     other data-parallel replicas sharding over their own sub-mesh) are neither waited for nor compared.
     Without it, every rank of the default group takes part.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    if not _communicates():
         return
-    groups = ([None] if mesh is None else
-              [_resolve_process_group(g) for g, size in zip(mesh.group_names, mesh.sizes) if size > 1])
+    groups = [None] if mesh is None else _axis_groups(mesh)
     found: list[str] = []
     for group in groups:
         everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -87,13 +86,21 @@ def _differences(ranks: list[int], everyone: list[dict[str, str]]) -> list[str]:
 def agree(value: Any, mesh: "MeshInfo") -> Any:
     """``value`` as the rank at mesh coordinate 0 on every axis has it, on every rank of ``mesh``
     (broadcast along each axis in turn; unchanged on one process or the fake process group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    if not _communicates():
         return value
-    for g, size in zip(mesh.group_names, mesh.sizes):
-        if size > 1:
-            group = _resolve_process_group(g)
-            box = [value]
-            guard_collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0),
-                             "agreeing on the auto plan")
-            value = box[0]
+    for group in _axis_groups(mesh):
+        box = [value]
+        guard_collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0),
+                         "agreeing on the auto plan")
+        value = box[0]
     return value
+
+
+def _communicates() -> bool:
+    """Whether there are other ranks to exchange with (not one process, not the fake process group)."""
+    return dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
+
+
+def _axis_groups(mesh: "MeshInfo") -> list[Any]:
+    """The process group of each mesh axis with more than one rank, in axis order."""
+    return [_resolve_process_group(g) for g, size in zip(mesh.group_names, mesh.sizes) if size > 1]

@@ -29,8 +29,8 @@ def parse_bytes(value: Union[int, float, str, None], name: str) -> Optional[int]
 
 def fmt_bytes(n: float) -> str:
     """``n`` bytes as ``"12 B"``, ``"3.50 MiB"``, ``"1.25 GiB"``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} TiB"
+    return f"{n:.2f} GiB"
