@@ -277,9 +277,8 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
         why = ""
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"
-    req = _Request(req.plan, pytree.tree_map(_meta_like, req.example_inputs), pytree.tree_map(_meta_like, req.kwargs),
-                   req.in_specs, req.out_specs, req.dynamic_shapes, req.pipeline, req.bucket_mb, req.planner,
-                   req.remat, req.auto, req.budget)
+    req = replace(req, example_inputs=pytree.tree_map(_meta_like, req.example_inputs),
+                  kwargs=pytree.tree_map(_meta_like, req.kwargs))
     name = type(model).__name__
 
     def reshard(modes: dict[str, bool]) -> Programs:
