@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from .auto import AutoReport, complete_plan, measure, parse_budget
 from .memory import memory as memory_report
 from .consistency import fingerprint
+from .cost import links
 from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
@@ -50,7 +51,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
           bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: Optional[str] = None, remat: str = "none",
           remat_budget: Union[int, float, str, None] = None, auto: bool = False,
-          memory_budget: Union[int, float, str, None] = None, progress: Progress = None,
+          memory_budget: Union[int, float, str, None] = None, bandwidth: Optional[Mapping[str, float]] = None,
+          latency: Optional[Mapping[str, float]] = None, progress: Progress = None,
           pipeline: Pipeline = DEFAULT) -> ShardedModule:
     """Shard ``model`` over ``mesh`` following ``plan``; returns this rank's ShardedModule.
 
@@ -71,6 +73,12 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
     scipy, ``passes/solve.py``) instead of the greedy sweep; the default (None) is ``"greedy"``, or
     ``"global"`` when ``auto=True`` chose placements.
+
+    Link speeds: both planners minimise communication time in the alpha-beta model. By default every
+    mesh axis is alike (time = bytes moved); ``bandwidth`` (bytes/s) and ``latency`` (s per collective)
+    per axis name say otherwise, e.g. ``bandwidth={"tp": 300e9, "dp": 25e9}`` for ``tp`` inside a node
+    and ``dp`` across nodes, so the plans move their bytes on the fast axis where they can (``cost.links``;
+    an axis left out gets the fastest bandwidth given).
 
     Auto-sharding: ``auto=True`` completes ``plan`` (down to an empty one): every parameter it does
     not place is replicated or split on a mesh axis (tensor-parallel, or FSDP-style: stored split,
@@ -112,6 +120,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = MeshInfo.of(mesh)
+    info = replace(info, links=links(info.names, bandwidth, latency))
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
             0 <= src_data_rank < n for n in info.sizes)):
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["main"]
 
@@ -44,14 +44,29 @@ def _load(ref: str, what: str) -> Any:
 
 def parse_mesh(text: str) -> dict[str, int]:
     """``"dp=64,tp=8"`` -> ``{"dp": 64, "tp": 8}`` (order kept: major axis first)."""
-    axes: dict[str, int] = {}
+    return _per_axis(text, "--mesh", "size", "dp=64,tp=8",
+                     lambda v: int(v) if v.strip().isdigit() and int(v) >= 1 else None)
+
+
+def _number(v: str) -> Optional[float]:
+    try:
+        return float(v)
+    except ValueError:
+        return None
+
+
+def _per_axis(text: str, flag: str, what: str, example: str, convert: Callable[[str], Any]) -> dict[str, Any]:
+    """``"name=value,..."`` -> ``{name: convert(value)}`` in order; a value ``convert`` maps to None is an error."""
+    axes: dict[str, Any] = {}
     for part in text.split(","):
-        name, _, size = part.partition("=")
-        if not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
-            raise CliError(f"--mesh {text!r}: {part!r} is not name=size; write e.g. --mesh dp=64,tp=8")
+        name, _, value = part.partition("=")
+        name = name.strip()
+        got = convert(value) if name.isidentifier() else None
+        if got is None:
+            raise CliError(f"{flag} {text!r}: {part!r} is not name={what}; write e.g. {flag} {example}")
         if name in axes:
-            raise CliError(f"--mesh {text!r}: axis {name!r} appears twice")
-        axes[name.strip()] = int(size)
+            raise CliError(f"{flag} {text!r}: axis {name!r} appears twice")
+        axes[name] = got
     return axes
 
 
@@ -123,7 +138,11 @@ def plan_command(args: argparse.Namespace) -> int:
             in_specs = tuple(fxshard.P("dp") for _ in inputs)
             in_specs = (in_specs, {k: fxshard.P("dp") for k in kwargs}) if kwargs else in_specs
         sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
-                           progress=say, auto=args.auto, memory_budget=args.memory_budget)
+                           progress=say, auto=args.auto, memory_budget=args.memory_budget,
+                           bandwidth=args.bandwidth and _per_axis(args.bandwidth, "--bandwidth", "bytes_per_s",
+                                                                  "dp=25e9,tp=300e9", _number),
+                           latency=args.latency and _per_axis(args.latency, "--latency", "seconds",
+                                                              "dp=2e-5,tp=5e-6", _number))
         say("computing the memory report")
         mem = fxshard.memory(sm, args.optimizer)
         stats = fxshard.comm_stats(sm)
@@ -183,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "parameter it leaves out is replicated or split as the solver finds cheapest within --memory-budget")
     pl.add_argument("--memory-budget", metavar="BYTES", help="per-rank memory budget for --auto, e.g. 80GiB "
                     "(parameters, gradients, AdamW state, activation peak estimate)")
+    pl.add_argument("--bandwidth", metavar="AXIS=B/S,...", help="link bandwidth per mesh axis in bytes/s, e.g. "
+                    "dp=25e9,tp=300e9: the planners move bytes on the fast axes (default: all axes alike)")
+    pl.add_argument("--latency", metavar="AXIS=S,...", help="latency per collective per mesh axis in seconds, "
+                    "e.g. dp=2e-5,tp=5e-6 (default: 64 KiB worth of each axis's bandwidth)")
     pl.set_defaults(fn=plan_command)
     de = sub.add_parser("demo", help="run the README's main job: 2-rank tensor-parallel training with parity")
     de.set_defaults(fn=demo_command)

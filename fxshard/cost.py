@@ -8,53 +8,111 @@ nothing wins. Two prices are policy, not bytes: like GSPMD, propagation never in
 (sequence parallelism) on its own, so a reduce_scatter is priced like the all_reduce it replaces
 (annotations ask for it); and an all_to_all is priced like the gather it replaces, because greedy
 choices cannot see that a moved split is often gathered again by another consumer.
+
+Mesh axes may run on links of different speeds (``tp`` inside a node, ``dp`` across nodes):
+``links`` turns the user's per-axis bandwidth and latency into a ``Link`` per axis, and a step on
+axis ``a`` costs ``link.alpha + bytes * link.weight``, in byte-equivalents of the fastest link.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
 import torch
 
+from .errors import ShardingError
 from .mesh import MeshInfo
 from .placements import Pl, S
 from .transition import Step, plan_transition
 
-__all__ = ["transition_cost", "price", "step_cost", "EPS", "ALPHA"]
+__all__ = ["transition_cost", "price", "step_cost", "links", "axis_link", "Link", "UNIFORM", "EPS", "ALPHA"]
 
 EPS = 1e-6
 ALPHA = 65536.0
 
 
-def step_cost(st: Step, n: int) -> float:
-    """The price of one planned step on an axis of ``n`` ranks (see module doc)."""
-    frac = (n - 1) / n
+@dataclass(frozen=True)
+class Link:
+    """An axis's link in the alpha-beta model: ``alpha`` the latency of one collective in byte-equivalents
+    of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1)."""
+
+    alpha: float = ALPHA
+    weight: float = 1.0
+
+
+UNIFORM = Link()
+
+
+def links(names: Sequence[str], bandwidth: Optional[Mapping[str, float]] = None,
+          latency: Optional[Mapping[str, float]] = None) -> tuple[Link, ...]:
+    """One ``Link`` per mesh axis from ``bandwidth`` (bytes/s) and ``latency`` (s per collective), keyed by
+    axis name; axes left out of ``bandwidth`` get the fastest given one, every axis without a latency
+    gets ``ALPHA`` bytes on its own link. Nothing given: every axis ``UNIFORM`` (cost = bytes moved).
+
+    Raises ShardingError for an unknown axis or a value that is not a positive number (zero for latency).
+    """
+    for what, table, low in (("bandwidth", bandwidth, "positive"), ("latency", latency, "non-negative")):
+        for name, value in (table or {}).items():
+            if name not in names:
+                raise ShardingError(f"{what} names mesh axis {name!r}, which the mesh does not have; the mesh axes "
+                                    f"are {tuple(names)}")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and (
+                value > 0 if low == "positive" else value >= 0)
+            if not ok:
+                unit = "bytes per second, e.g. 25e9" if what == "bandwidth" else "seconds per collective, e.g. 2e-5"
+                raise ShardingError(f"{what}[{name!r}]={value!r} is not a {low} number; give {unit}")
+    if not bandwidth and not latency:
+        return (UNIFORM,) * len(names)
+    fastest = max((bandwidth or {}).values(), default=1.0)
+    out = []
+    for name in names:
+        bw = (bandwidth or {}).get(name, fastest)
+        weight = fastest / bw
+        lat = (latency or {}).get(name)
+        out.append(Link(ALPHA * weight if lat is None else lat * fastest, weight))
+    return tuple(out)
+
+
+def axis_link(mesh: MeshInfo, a: int) -> Link:
+    """The link of ``mesh``'s axis ``a`` (``UNIFORM`` when the mesh gives none)."""
+    return mesh.links[a] if mesh.links else UNIFORM
+
+
+def step_cost(st: Step, n: int, link: Link = UNIFORM) -> float:
+    """The price of one planned step on an axis of ``n`` ranks joined by ``link`` (see module doc)."""
+    frac = (n - 1) / n * link.weight
     b = float(st.nbytes)
     if st.kind == "all_gather":
-        return ALPHA + b * frac
+        return link.alpha + b * frac
     if st.kind == "all_reduce":
-        return ALPHA + 2 * b * frac
+        return link.alpha + 2 * b * frac
     if st.kind == "reduce_scatter":  # priced as all_reduce + local slice (policy, see module doc)
-        return ALPHA + 2 * b * frac + EPS * (1 + b)
+        return link.alpha + 2 * b * frac + EPS * (1 + b)
     if st.kind == "all_to_all":  # priced as gathering what it moves + local slice (policy)
-        return ALPHA + b * n * frac + EPS * (1 + b * n)
+        return link.alpha + b * n * frac + EPS * (1 + b * n)
     if st.kind in ("slice", "to_partial"):
         return EPS * (1 + b)
     return 0.0  # casts: part of the collectives they surround
 
 
-def price(steps: Sequence[Step], sizes: Sequence[int], scale: float = 1.0) -> float:
-    """The cost of ``steps`` (bytes multiplied by ``scale``) on a mesh of axis ``sizes``."""
+def price(steps: Sequence[Step], sizes: Sequence[int], scale: float = 1.0,
+          axis_links: Optional[Sequence[Link]] = None) -> float:
+    """The cost of ``steps`` (bytes multiplied by ``scale``) on a mesh of axis ``sizes`` whose axes are joined
+    by ``axis_links`` (default: all ``UNIFORM``)."""
     total = 0.0
     for st in steps:
         if st.axis >= 0:
-            total += step_cost(Step(st.kind, st.axis, st.src, st.dst, st.lshape, st.nbytes * scale), sizes[st.axis])
+            total += step_cost(Step(st.kind, st.axis, st.src, st.dst, st.lshape, st.nbytes * scale), sizes[st.axis],
+                               axis_links[st.axis] if axis_links else UNIFORM)
     return total
 
 
-def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int) -> float:
-    """Cost of turning ``src`` into ``dst`` for a tensor of ``nbytes`` global bytes on an axis of ``n`` ranks.
+def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int, link: Link = UNIFORM) -> float:
+    """Cost of turning ``src`` into ``dst`` for a tensor of ``nbytes`` global bytes on an axis of ``n`` ranks
+    joined by ``link``.
 
     The planner's steps for a stand-in tensor (one byte per element, every dim of size ``n`` so each
     split is even), priced with their bytes scaled to ``nbytes``.
@@ -62,7 +120,7 @@ def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int) -> float:
     if src == dst or n == 1:
         return 0.0
     steps, elements = _stand_in_plan(src, dst, n)
-    return price(steps, (n,), nbytes / elements)
+    return price(steps, (n,), nbytes / elements, (link,))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -31,7 +31,7 @@ def check_consistent(info: MeshInfo, in_specs: Any, out_specs: Any, program: dic
     """Raise the same ShardingError on every rank of the mesh when any of them has a mesh, specs or
     ``program`` description (named, comparable strings) different from the others' (a collective over
     the mesh's ranks only)."""
-    check_same_on_all_ranks({"mesh": f"{dict(zip(info.names, info.sizes))}", "in_specs": repr(in_specs),
+    check_same_on_all_ranks({"mesh": f"{dict(zip(info.names, info.sizes))} {info.links}", "in_specs": repr(in_specs),
                              "out_specs": repr(out_specs), **program}, info)
 
 

@@ -89,7 +89,8 @@ class MeshInfo:
     """What the passes need to know about a mesh, from the calling rank's view.
 
     ``coords[i]`` is this rank's index along axis ``i``; ``group_names[i]`` the
-    process group the functional collectives of axis ``i`` run on.
+    process group the functional collectives of axis ``i`` run on; ``links[i]`` the speed of axis
+    ``i``'s link as ``cost.Link`` (empty: every axis alike; ``shard(bandwidth=..., latency=...)``).
     """
 
     names: tuple[str, ...]
@@ -98,6 +99,7 @@ class MeshInfo:
     group_names: tuple[str, ...]
     device_type: str
     rank: int
+    links: tuple = ()
 
     @staticmethod
     def of(mesh: DeviceMesh) -> "MeshInfo":

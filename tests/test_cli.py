@@ -80,3 +80,12 @@ def test_plan_auto_completes_an_empty_plan_within_the_budget():
     assert "linear.weight: (S(0),)  saves 390.62 MiB per rank" in r.stdout, r.stdout
     r = run("plan", "examples.seed004_big_head:planned", "--mesh", "dp=2", "--auto", "--memory-budget", "1MB")
     assert r.returncode == 2 and "no plan fits; the smallest footprint found is" in r.stderr, r.stderr
+
+
+def test_plan_bad_bandwidth_is_one_line_error():
+    r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "dp=2,tp=2", "--bandwidth", "dp=fast")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == ("fxshard: error: --bandwidth 'dp=fast': 'dp=fast' is not "
+                                                 "name=bytes_per_s; write e.g. --bandwidth dp=25e9,tp=300e9")
+    r = run("plan", "examples.llama_shapes:llama_tiny", "--mesh", "dp=2,tp=2", "--bandwidth", "pp=1e9", "--seq", "16")
+    assert r.returncode == 2 and "bandwidth names mesh axis 'pp', which the mesh does not have" in r.stderr

@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..context import ShardContext
-from ..cost import transition_cost
+from ..cost import axis_link, transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R
 from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all,
@@ -84,10 +84,10 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         if isinstance(cur, Part) and cur == dst and len(inp.users) > 1 and R not in avail.get((inp.name, axis), ()):
             # a Partial that fans out is reduced once, at the fan-out point (Megatron's f/g): each consumer
             # keeping it Partial would otherwise end in a reduction of its own
-            return transition_cost(cur, R, _nbytes(inp.meta["val"]), sizes[axis])
+            return transition_cost(cur, R, _nbytes(inp.meta["val"]), sizes[axis], axis_link(mesh, axis))
         if cur == dst or dst in avail.get((inp.name, axis), ()):
             return 0.0
-        return transition_cost(cur, dst, _nbytes(inp.meta["val"]), sizes[axis])
+        return transition_cost(cur, dst, _nbytes(inp.meta["val"]), sizes[axis], axis_link(mesh, axis))
 
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -198,7 +198,8 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
     k = len(sizes)
 
     def tc(x: fx.Node, src: Pl, dst: Pl, a: int) -> float:
-        return 0.0 if src == dst else transition_cost(src, dst, _nbytes(x.meta["val"]), sizes[a])
+        return 0.0 if src == dst else transition_cost(src, dst, _nbytes(x.meta["val"]), sizes[a],
+                                                      axis_link(ctx.mesh, a))
 
     for _ in range(max_rounds):
         changed = False

@@ -34,7 +34,7 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from ..consistency import check_same_on_all_ranks
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
-from ..cost import transition_cost
+from ..cost import UNIFORM, Link, transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
 from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all,
@@ -56,9 +56,9 @@ FLOPS_PER_BYTE = 1000.0  # compute priced against communication: flops a device 
 MAX_ROUNDS = 20  # re-solves that exclude a combination of per-axis choices found illegal (3+ axes)
 
 
-def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...]) -> float:
+def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links: tuple[Link, ...] = ()) -> float:
     """Cost of redistributing a tensor of ``nbytes`` global bytes from layout ``src`` to ``dst`` on a mesh
-    of ``sizes``: the solver's only pricing call (swap it for the engine's transition planner).
+    of ``sizes`` whose axes are joined by ``links`` (empty: all alike): the solver's only pricing call.
 
     Axes change innermost first, as the collectives are emitted; each step is priced by
     ``cost.transition_cost`` on the bytes the tensor has on that axis (divided by the other axes' splits).
@@ -74,7 +74,7 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...]) -> fl
         for b, p in enumerate(cur):
             if b != a and isinstance(p, S):
                 others *= sizes[b]
-        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a])
+        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a], links[a] if links else UNIFORM)
         cur[a] = dst[a]
     return cost
 
@@ -113,6 +113,7 @@ class Problem:
     """The planning problem of one graph, as plain data (no fx nodes)."""
 
     sizes: tuple[int, ...]
+    links: tuple[Link, ...] = ()  # per axis (``cost.links``); empty: every axis alike
     nodes: dict[str, NodeVars] = field(default_factory=dict)
     fixed: dict[ValueKey, Layout] = field(default_factory=dict)  # values whose layout no choice changes
     greedy: dict[ValueKey, Layout] = field(default_factory=dict)  # every value's greedy layout
@@ -244,7 +245,7 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
     candidate placements per axis (the greedy one first); ``tied``: graph output index -> the free
     placeholder whose layout that output must take (a parameter's gradient)."""
     free, tied = free or {}, tied or {}
-    problem = Problem(tuple(ctx.mesh.sizes))
+    problem = Problem(tuple(ctx.mesh.sizes), tuple(ctx.mesh.links))
     k = len(problem.sizes)
     for node in gm.graph.nodes:
         spec = node.meta.get(META_KEY)
@@ -341,7 +342,8 @@ class _Model:
 def _axis_price(problem: Problem, u: ValueKey, a: int, q: Pl, p: Pl, context: dict[ValueKey, Layout]) -> float:
     """``price`` of changing value ``u``'s placement on axis ``a`` alone, its other axes as in ``context``."""
     lay = context[u]
-    return price(lay[:a] + (q,) + lay[a + 1:], lay[:a] + (p,) + lay[a + 1:], problem.nbytes[u], problem.sizes) / UNIT
+    return price(lay[:a] + (q,) + lay[a + 1:], lay[:a] + (p,) + lay[a + 1:], problem.nbytes[u], problem.sizes,
+                 problem.links) / UNIT
 
 
 def compute_cost(problem: Problem, nv: NodeVars, a: int, c: AxisChoice, picked: tuple[int, ...]) -> float:
@@ -374,7 +376,7 @@ def plan_cost(problem: Problem, picks: dict[str, tuple[int, ...]]) -> float:
     for u, name in problem.tied:
         needs.setdefault(u, set()).add(out[(name, 0)])
     for u, lays in needs.items():
-        total += sum(price(out[u], p, problem.nbytes[u], problem.sizes) for p in lays) / UNIT
+        total += sum(price(out[u], p, problem.nbytes[u], problem.sizes, problem.links) for p in lays) / UNIT
     return total
 
 
