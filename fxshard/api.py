@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from .auto import AutoReport, complete_plan, measure, parse_budget
 from .memory import memory as memory_report
 from .consistency import fingerprint
-from .cost import links
+from .cost import crosses_nodes, links
 from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
@@ -74,11 +74,12 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     scipy, ``passes/solve.py``) instead of the greedy sweep; the default (None) is ``"greedy"``, or
     ``"global"`` when ``auto=True`` chose placements.
 
-    Link speeds: both planners minimise communication time in the alpha-beta model. By default every
-    mesh axis is alike (time = bytes moved); ``bandwidth`` (bytes/s) and ``latency`` (s per collective)
-    per axis name say otherwise, e.g. ``bandwidth={"tp": 300e9, "dp": 25e9}`` for ``tp`` inside a node
-    and ``dp`` across nodes, so the plans move their bytes on the fast axis where they can (``cost.links``;
-    an axis left out gets the fastest bandwidth given).
+    Link speeds: both planners minimise communication time in the alpha-beta model. By default an axis
+    whose process groups span nodes (torchrun's ``LOCAL_WORLD_SIZE``) gets ``cost.INTER_NODE`` bytes/s and
+    one inside a node ``cost.INTRA_NODE``; on one node every axis is alike (time = bytes moved).
+    ``bandwidth`` (bytes/s) and ``latency`` (s per collective) per axis name override it, e.g.
+    ``bandwidth={"tp": 300e9, "dp": 25e9}``, so the plans move their bytes on the fast axis where they
+    can (``cost.links``).
 
     Auto-sharding: ``auto=True`` completes ``plan`` (down to an empty one): every parameter it does
     not place is replicated or split on a mesh axis (tensor-parallel, or FSDP-style: stored split,
@@ -120,7 +121,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = MeshInfo.of(mesh)
-    info = replace(info, links=links(info.names, bandwidth, latency))
+    info = replace(info, links=links(info.names, bandwidth, latency, crosses_nodes(mesh)))
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
             0 <= src_data_rank < n for n in info.sizes)):
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "

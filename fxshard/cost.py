@@ -10,25 +10,28 @@ nothing wins. Two prices are policy, not bytes: like GSPMD, propagation never in
 choices cannot see that a moved split is often gathered again by another consumer.
 
 Mesh axes may run on links of different speeds (``tp`` inside a node, ``dp`` across nodes):
-``links`` turns the user's per-axis bandwidth and latency into a ``Link`` per axis, and a step on
-axis ``a`` costs ``link.alpha + bytes * link.weight``, in byte-equivalents of the fastest link.
+``links`` turns the user's per-axis bandwidth and latency (by default: whether the axis's groups
+span nodes) into a ``Link`` per axis, and a step on axis ``a`` costs ``link.alpha + bytes *
+link.weight``, in byte-equivalents of the fastest link.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .placements import Pl, S
 from .transition import Step, plan_transition
 
-__all__ = ["transition_cost", "price", "step_cost", "links", "axis_link", "Link", "UNIFORM", "EPS", "ALPHA"]
+__all__ = ["transition_cost", "price", "step_cost", "links", "crosses_nodes", "axis_link", "INTRA_NODE", "INTER_NODE", "Link", "UNIFORM", "EPS", "ALPHA"]
 
 EPS = 1e-6
 ALPHA = 65536.0
@@ -46,11 +49,16 @@ class Link:
 UNIFORM = Link()
 
 
+INTRA_NODE = 300e9  # bytes/s, default for an axis whose groups stay inside a node (NVLink order)
+INTER_NODE = 25e9  # bytes/s, default for an axis whose groups span nodes (one InfiniBand NIC per GPU)
+
+
 def links(names: Sequence[str], bandwidth: Optional[Mapping[str, float]] = None,
-          latency: Optional[Mapping[str, float]] = None) -> tuple[Link, ...]:
+          latency: Optional[Mapping[str, float]] = None, crosses_nodes: Sequence[bool] = ()) -> tuple[Link, ...]:
     """One ``Link`` per mesh axis from ``bandwidth`` (bytes/s) and ``latency`` (s per collective), keyed by
-    axis name; axes left out of ``bandwidth`` get the fastest given one, every axis without a latency
-    gets ``ALPHA`` bytes on its own link. Nothing given: every axis ``UNIFORM`` (cost = bytes moved).
+    axis name. An axis ``bandwidth`` leaves out gets ``INTER_NODE`` when ``crosses_nodes[i]`` says its
+    groups span nodes, else ``INTRA_NODE``; an axis without a latency gets ``ALPHA`` bytes' worth of its own
+    link. All axes alike (the default on one node): every axis ``UNIFORM`` (cost = bytes moved).
 
     Raises ShardingError for an unknown axis or a value that is not a positive number (zero for latency).
     """
@@ -64,16 +72,29 @@ def links(names: Sequence[str], bandwidth: Optional[Mapping[str, float]] = None,
             if not ok:
                 unit = "bytes per second, e.g. 25e9" if what == "bandwidth" else "seconds per collective, e.g. 2e-5"
                 raise ShardingError(f"{what}[{name!r}]={value!r} is not a {low} number; give {unit}")
-    if not bandwidth and not latency:
+    crosses = tuple(crosses_nodes) or (False,) * len(names)
+    bw = {name: INTER_NODE if far else INTRA_NODE for name, far in zip(names, crosses)}
+    bw.update(bandwidth or {})
+    if len(set(bw.values())) <= 1 and not latency:
         return (UNIFORM,) * len(names)
-    fastest = max((bandwidth or {}).values(), default=1.0)
+    fastest = max(bw.values())
     out = []
     for name in names:
-        bw = (bandwidth or {}).get(name, fastest)
-        weight = fastest / bw
+        weight = fastest / bw[name]
         lat = (latency or {}).get(name)
         out.append(Link(ALPHA * weight if lat is None else lat * fastest, weight))
     return tuple(out)
+
+
+def crosses_nodes(mesh: DeviceMesh) -> tuple[bool, ...]:
+    """Per mesh axis, whether one of its process groups spans nodes, ranks being on node
+    ``rank // LOCAL_WORLD_SIZE`` as torchrun places them (all False without ``LOCAL_WORLD_SIZE``)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    ranks = mesh.mesh
+    if local <= 0 or ranks.numel() <= local:
+        return (False,) * ranks.dim()
+    nodes = ranks // local
+    return tuple(bool((nodes != nodes.select(a, 0).unsqueeze(a)).any()) for a in range(ranks.dim()))
 
 
 def axis_link(mesh: MeshInfo, a: int) -> Link:
