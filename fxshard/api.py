@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from .auto import AutoReport, complete_plan, measure, parse_budget
 from .memory import memory as memory_report
 from .consistency import fingerprint
-from .cost import crosses_nodes, links
+from .cost import linked_mesh_info
 from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
@@ -120,8 +120,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     """
     say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
-    info = MeshInfo.of(mesh)
-    info = replace(info, links=links(info.names, bandwidth, latency, crosses_nodes(mesh)))
+    info = linked_mesh_info(mesh, bandwidth, latency)
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
             0 <= src_data_rank < n for n in info.sizes)):
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "

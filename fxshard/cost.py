@@ -17,10 +17,10 @@ link.weight``, in byte-equivalents of the fastest link.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
-from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
@@ -31,13 +31,13 @@ from .mesh import MeshInfo
 from .placements import Pl, S
 from .transition import Step, plan_transition
 
-__all__ = ["transition_cost", "price", "step_cost", "links", "crosses_nodes", "axis_link", "INTRA_NODE", "INTER_NODE", "Link", "UNIFORM", "EPS", "ALPHA"]
+__all__ = ["transition_cost", "price", "step_cost", "links", "crosses_nodes", "linked_mesh_info", "axis_link", "INTRA_NODE", "INTER_NODE", "Link", "UNIFORM", "EPS", "ALPHA"]
 
 EPS = 1e-6
 ALPHA = 65536.0
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Link:
     """An axis's link in the alpha-beta model: ``alpha`` the latency of one collective in byte-equivalents
     of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1)."""
@@ -95,6 +95,13 @@ def crosses_nodes(mesh: DeviceMesh) -> tuple[bool, ...]:
         return (False,) * ranks.dim()
     nodes = ranks // local
     return tuple(bool((nodes != nodes.select(a, 0).unsqueeze(a)).any()) for a in range(ranks.dim()))
+
+
+def linked_mesh_info(mesh: DeviceMesh, bandwidth: Optional[Mapping[str, float]] = None,
+                     latency: Optional[Mapping[str, float]] = None) -> MeshInfo:
+    """``MeshInfo.of(mesh)`` with its axes' links (``links``, defaulting from ``crosses_nodes``)."""
+    info = MeshInfo.of(mesh)
+    return dataclasses.replace(info, links=links(info.names, bandwidth, latency, crosses_nodes(mesh)))
 
 
 def axis_link(mesh: MeshInfo, a: int) -> Link:

@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 
 from .comm_errors import run_program
 from .constrain import constraint_scope
+from .cost import linked_mesh_info
 from .context import ShardContext, runtime_device
 from .description import Sharding
 from .errors import ShardingError
@@ -137,7 +138,7 @@ class ShardedFunction:
         self._fn = fn
         self._pipeline = pipeline
         self._mesh = mesh
-        self._info = MeshInfo.of(mesh)
+        self._info = linked_mesh_info(mesh)
         self._in_specs = in_specs
         self._out_specs = out_specs
         self._cache: dict[Any, _Compiled] = {}
