@@ -25,7 +25,7 @@ from .transition import Step, hint, plan_transition
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-__all__ = ["Emitter", "COMM_KEY", "INSERTED_KEY", "redistribute_nodes", "hint"]
+__all__ = ["Emitter", "COMM_KEY", "INSERTED_KEY", "redistribute_nodes", "hint", "all_reduce_into_input"]
 
 
 Val = Union[int, fx.Node]
@@ -170,6 +170,16 @@ def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous:
     if uneven:
         r = e.op(aten.slice.Tensor, r, 0, 0, chunk(int(size), n, mesh.coords[a])[1])
     return e.contiguous(e.op(aten.permute.default, r, _inverse(perm))) if p.dim != 0 else r
+
+
+def all_reduce_into_input(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    """``_c10d_functional.all_reduce(x, ...)``, reducing ``x`` itself (and returning it) when running eagerly
+    on a plain tensor; traced (``torch.compile``, ``make_fx``), the functional all_reduce (functionalization
+    cannot take an op whose output aliases its input). Requires that nothing reads ``x`` afterwards except
+    through the result (``passes/inplace.py``)."""
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        return c10d.all_reduce_(x, reduce_op, group_name)
+    return c10d.all_reduce(x, reduce_op, group_name)
 
 
 def all_reduce(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous: bool) -> fx.Node:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from .collectives import hint
+from .collectives import all_reduce_into_input, hint
 from .description import Sharding, sharding_of
 from .errors import ShardingError
 from .ir import META_KEY, VIEW_OPS
@@ -92,7 +92,8 @@ def liveness_peak(gm: fx.GraphModule, nbytes, inputs_live: bool = False, outputs
     pos = {n: i for i, n in enumerate(nodes)}
     base: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        is_view = n.op == "call_function" and (n.target in VIEW_OPS or n.target is operator.getitem)
+        is_view = n.op == "call_function" and (n.target in VIEW_OPS or n.target is operator.getitem
+                                               or n.target is all_reduce_into_input)  # reduces its input in place
         if is_view and n.args and isinstance(n.args[0], fx.Node):
             base[n] = base.get(n.args[0], n.args[0])
     owner = lambda n: base.get(n, n)

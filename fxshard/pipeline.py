@@ -13,6 +13,7 @@ redistribute   specs                 arrive               ``passes/redistribute.
 localize       arrive                local                ``passes/localize.py``
 emit           local                 clean                ``passes/emit.py``
 bucket         clean                 (nothing new)        ``passes/bucket.py`` (backward programs; ``ctx.bucket_mb``)
+inplace        clean                 (nothing new)        ``passes/inplace.py`` (all_reduce of a dying buffer in place)
 overlap        clean                 scheduled            ``passes/overlap.py`` (optional)
 =============  ====================  ===================  ==========================================
 
@@ -35,6 +36,7 @@ from .context import ShardContext
 from .errors import ShardingError
 from .passes.bucket import bucket_pass
 from .passes.emit import emit
+from .passes.inplace import inplace_pass
 from .passes.localize import localize
 from .passes.overlap import overlap_pass
 from .passes.propagate import propagate
@@ -43,7 +45,7 @@ from .passes.solve import solve
 from .passes.verify import FACTS, enabled, verify
 
 __all__ = ["Pass", "Pipeline", "DEFAULT", "PROPAGATE", "SOLVE", "REDISTRIBUTE", "LOCALIZE", "EMIT", "BUCKET",
-           "OVERLAP"]
+           "INPLACE", "OVERLAP"]
 
 PassFn = Callable[[fx.GraphModule, ShardContext], fx.GraphModule]
 
@@ -73,6 +75,7 @@ REDISTRIBUTE = Pass("redistribute", redistribute, frozenset({"specs"}), frozense
 LOCALIZE = Pass("localize", localize, frozenset({"arrive"}), frozenset({"local"}))
 EMIT = Pass("emit", emit, frozenset({"local"}), frozenset({"clean"}))
 BUCKET = Pass("bucket", bucket_pass, frozenset({"clean"}), per_program=True, program="backward")
+INPLACE = Pass("inplace", inplace_pass, frozenset({"clean"}), per_program=True)
 OVERLAP = Pass("overlap", overlap_pass, frozenset({"clean"}), frozenset({"scheduled"}), per_program=True)
 
 
@@ -154,4 +157,4 @@ class Pipeline:
         return [p.name for p in self.passes]
 
 
-DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT, BUCKET))
+DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT, BUCKET, INPLACE))

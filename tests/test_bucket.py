@@ -16,6 +16,7 @@ from fxshard.collectives import COMM_KEY
 from fxshard.compile import overlap_report
 from fxshard.module import local_slice
 from fxshard.passes.bucket import bucket_gradients, plan_buckets
+from fxshard.collectives import all_reduce_into_input
 from fxshard.pipeline import BUCKET, DEFAULT, Pipeline
 from tests import models
 from tests.dist_utils import run_ranks
@@ -126,7 +127,8 @@ def _grads_2x2(rank: int, world: int) -> dict:
             grad_err = max((p.grad - local_slice(full[n].grad, mesh, sm._placements[n])).abs().max().item()
                            for n, p in sm.named_parameters())
             dp_ar = [c for c in sm._training.bwd.gm.graph.nodes if COMM_KEY in c.meta
-                     and c.target is c10d.all_reduce.default and c.meta[COMM_KEY]["axis"] == "dp"]
+                     and c.target in (c10d.all_reduce.default, all_reduce_into_input)
+                     and c.meta[COMM_KEY]["axis"] == "dp"]
             out[(fsdp, mb)] = {"loss_err": abs(loss.item() - want.item()), "grad_err": grad_err,
                                "stats": fxshard.comm_stats(sm)["backward"], "dp_all_reduces": len(dp_ar),
                                "n_grads": sum(1 for _ in sm.parameters())}

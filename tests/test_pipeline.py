@@ -27,7 +27,7 @@ def test_pipeline_rejects_a_pass_whose_requirements_nothing_ensures():
     with pytest.raises(ShardingError, match="per-program"):
         Pipeline((PROPAGATE, REDISTRIBUTE, LOCALIZE, EMIT, OVERLAP, Pass("late", lambda gm, ctx: gm)))
     assert DEFAULT.with_pass(OVERLAP).names == ["propagate", "solve", "redistribute", "localize", "emit", "bucket",
-                                                "overlap"]
+                                                "inplace", "overlap"]
 
 
 def _drop_a_wait(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:

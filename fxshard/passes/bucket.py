@@ -32,6 +32,7 @@ import torch.fx as fx
 from ..context import ShardContext
 from ..ir import COMM_KEY, INSERTED_KEY
 from ..symbolic import is_concrete
+from ..collectives import all_reduce_into_input
 
 __all__ = ["bucket_gradients", "bucket_pass", "plan_buckets", "DEFAULT_BUCKET_MB"]
 
@@ -40,7 +41,9 @@ c10d = torch.ops._c10d_functional
 
 DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb
 
-_BUCKETABLE = (c10d.all_reduce.default, c10d.reduce_scatter_tensor.default)
+_BUCKETABLE = (c10d.all_reduce.default, all_reduce_into_input, c10d.reduce_scatter_tensor.default)
+# an in-place all_reduce (``passes/inplace.py``) buckets with the out-of-place ones: its bucket is a new buffer
+_OUT_OF_PLACE = {all_reduce_into_input: c10d.all_reduce.default}
 _TAIL = {aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.clone.default, aten.slice.Tensor,
          aten.t.default, aten.transpose.int, aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default,
          aten._to_copy.default, aten.alias.default}
@@ -80,7 +83,7 @@ class _Member:
 
     @property
     def key(self) -> tuple:
-        return (self.coll.target, tuple(self.coll.args[1:]), self.dtype)
+        return (_OUT_OF_PLACE.get(self.coll.target, self.coll.target), tuple(self.coll.args[1:]), self.dtype)
 
     @property
     def numel(self) -> int:
@@ -203,7 +206,7 @@ def _emit(g: fx.Graph, ms: list[_Member], output: fx.Node) -> None:
     buf = op(anchor, aten.cat.default, flat, 1 if rs else 0)
     if rs:
         buf = op(anchor, aten.view.default, buf, [sum(m.numel for m in ms)])
-    coll = op(anchor, c0.target, buf, *c0.args[1:])
+    coll = op(anchor, _OUT_OF_PLACE.get(c0.target, c0.target), buf, *c0.args[1:])
     info = dict(c0.meta[COMM_KEY])
     info.update(bytes=sum(int(m.coll.meta[COMM_KEY]["bytes"]) for m in ms), value=f"bucket of {len(ms)}",
                 consumer="output", op="output", source="", bucket=[m.coll.meta[COMM_KEY]["value"] for m in ms])

@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
+from ..collectives import all_reduce_into_input
 from ..context import ShardContext
 from ..errors import ShardingError
 from ..ir import COMM_KEY, IN_KEY, INSERTED_KEY, META_KEY, sharding
@@ -38,7 +39,7 @@ __all__ = ["verify", "enabled", "FACTS", "COLLECTIVES"]
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = frozenset({
-    c10d.all_reduce.default, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+    c10d.all_reduce.default, all_reduce_into_input, c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
     c10d.all_to_all_single.default, c10d.broadcast.default,
 })
 
