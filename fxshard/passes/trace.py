@@ -124,15 +124,14 @@ def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
     return table
 
 
-def _cia_ops_key() -> tuple:
+def _cia_ops_key() -> frozenset:
     """What export's default table depends on: the registered CompositeImplicitAutograd ops (a custom
-    op registered later adds its decomposition) and the op namespaces loaded."""
-    return (frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
-            tuple(torch.ops._dir))
+    op registered later adds its decomposition)."""
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
 
 
 @functools.lru_cache(maxsize=4)
-def _export_table(key: tuple) -> dict:
+def _export_table(key: frozenset) -> dict:
     """``torch.export.default_decompositions()`` materialized (a plain dict) for the ops ``key`` lists:
     materializing walks every op namespace (~0.2 s), which ``run_decompositions`` would redo per call."""
     return dict(torch.export.default_decompositions().items())
