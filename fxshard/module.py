@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -10,8 +11,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
@@ -126,7 +125,7 @@ class Scope(nn.Module):
                             f"itself). For activation checkpointing of its layers use shard(..., remat='layers')")
 
     def _no_hooks(self, what: str, hook: Any) -> None:
-        if isinstance(getattr(hook, "__self__", None), FSDPState):
+        if _is_fsdp(getattr(hook, "__self__", None), "_fsdp_state", "FSDPState"):
             return
         raise ShardingError(
             f"{what} on the {self._kind} {self._fqn!r} inside a ShardedModule would never fire: fxshard runs the whole "
@@ -445,7 +444,7 @@ class ShardedModule(nn.Module):
 
     def _fsdp_scopes(self) -> list[nn.Module]:
         """Submodules ``fully_shard`` was applied to (FSDP2 per layer), in pre-order."""
-        return [m for m in self.modules() if m is not self and isinstance(m, FSDPModule)]
+        return [m for m in self.modules() if m is not self and _is_fsdp(m, "_fully_shard", "FSDPModule")]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Local outputs for local inputs; differentiable when grad mode is on (see class doc).
@@ -649,10 +648,17 @@ def _state_dict_as_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, lo
             state_dict[prefix + fqn] = sm._dtensor(fqn, state_dict[prefix + fqn])
 
 
+def _is_fsdp(x: Any, module: str, cls: str) -> bool:
+    """``isinstance(x, torch.distributed.fsdp._fully_shard.<module>.<cls>)`` without importing FSDP (a fifth
+    of fxshard's import time): nothing can be an instance before that module is imported."""
+    mod = sys.modules.get(f"torch.distributed.fsdp._fully_shard.{module}")
+    return mod is not None and isinstance(x, getattr(mod, cls))
+
+
 def _state_dict_from_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, *rest: Any) -> None:
     """``sm.load_state_dict()`` pre-hook: each entry given as a DTensor (any layout) or a full tensor becomes
     this rank's piece, in the type of the registered tensor (FSDP2's DTensor after ``fully_shard``)."""
-    if isinstance(sm, FSDPModule):
+    if _is_fsdp(sm, "_fully_shard", "FSDPModule"):
         sm.reshard()  # the registered parameters are FSDP2's sharded DTensors from here on
     loaded = []
     for fqn, own in sm._state_tensors().items():

@@ -388,3 +388,36 @@ def test_shard_restores_the_collector_and_returns_compiled_programs(mesh2) -> No
         assert gc.get_freeze_count() > frozen // 2  # still frozen (a few frozen objects may have been freed)
     finally:
         gc.unfreeze()
+
+
+def test_cse_merges_equal_pure_nodes_in_place_keeping_the_first():
+    from fxshard.passes.trace import _cse
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(aten.t.default, (x,))
+    b = g.call_function(aten.t.default, (x,))  # equal to a: merged into it
+    c = g.call_function(aten.mul.Tensor, (a, b))
+    d = g.call_function(aten.mul.Tensor, (b, a))  # equal to c once b is a
+    e = g.call_function(aten.sum.dim_IntList, (c, [0]))
+    f = g.call_function(aten.sum.dim_IntList, (d, [1]))  # different argument: kept
+    g.output((e, f))
+    a.meta["tag"] = "first"
+    x_ = torch.randn(3, 5)
+    want = [o.clone() for o in fx.GraphModule({}, g)(x_)]
+    out = _cse(fx.GraphModule({}, g))
+    calls = [n for n in out.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [aten.t.default, aten.mul.Tensor, aten.sum.dim_IntList, aten.sum.dim_IntList]
+    assert calls[0].meta["tag"] == "first" and calls[1].args == (calls[0], calls[0])
+    for got, w in zip(out(x_), want):
+        torch.testing.assert_close(got, w)
+
+    g2 = fx.Graph()  # a graph that mutates is left alone: equal reads may see different values
+    y = g2.placeholder("y")
+    r1 = g2.call_function(aten.t.default, (y,))
+    g2.call_function(aten.add_.Tensor, (y, y))
+    r2 = g2.call_function(aten.t.default, (y,))
+    g2.output((r1, r2))
+    out2 = _cse(fx.GraphModule({}, g2))
+    assert sum(n.target is aten.t.default for n in out2.graph.nodes) == 2

@@ -112,7 +112,7 @@ def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
     runs autograd itself, as make_fx does; export's graphs mark it with ``fxshard::stop_gradient``);
     the ops in ``FUSED_FORWARD`` stay fused (they have rules).
     """
-    table = torch.export.default_decompositions()
+    table = dict(_export_table(_cia_ops_key()))
     for op in FUSED_FORWARD:
         table.pop(op, None)
     table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(stop_gradient)
@@ -122,6 +122,19 @@ def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
     table[aten._safe_softmax.default] = _safe_softmax
     table[aten.special_log_ndtr.default] = _log_ndtr
     return table
+
+
+def _cia_ops_key() -> frozenset:
+    """What export's default table depends on: the registered CompositeImplicitAutograd ops (a custom
+    op registered later adds its decomposition)."""
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+
+
+@functools.lru_cache(maxsize=4)
+def _export_table(key: frozenset) -> dict:
+    """``torch.export.default_decompositions()`` materialized (a plain dict) for the ops ``key`` lists:
+    materializing walks every op namespace (~0.2 s), which ``run_decompositions`` would redo per call."""
+    return dict(torch.export.default_decompositions().items())
 
 
 def _softmaxes(stop: Any) -> tuple[Any, Any]:
@@ -286,18 +299,31 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
 
     Requires a functional graph: two equal nodes of a graph that mutates could hold different values
     by the time they are read, so a graph with any in-place op is returned unchanged.
+    Ensures what torch's ``CSEPass`` does (same keys: target and flattened arguments; the first of
+    equal nodes kept; random ops never merged), in place: ``CSEPass`` builds an eagerly compiled
+    GraphModule, whose Python codegen is most of its cost on a large graph.
     """
     from torch.fx._lazy_graph_module import _get_graph_module_cls
-    from torch.fx.passes.dialect.common.cse_pass import CSEPass
 
     if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
         return gm
-
-    res = CSEPass(banned_ops=_RandomOps())(gm)  # two draws are two draws: never merge random ops
-    out = res.graph_module if res.modified else gm
+    random = _RandomOps()  # two draws are two draws: never merge random ops
+    seen: dict[Any, list[tuple[Any, fx.Node]]] = {}
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or getattr(n.target, "overloadpacket", n.target) in random:
+            continue
+        # earlier merges already rewrote n's arguments to the kept nodes
+        args, args_spec = pytree.tree_flatten(n.args)
+        kwargs, kwargs_spec = pytree.tree_flatten(n.kwargs)
+        same = seen.setdefault((n.target, tuple(args), tuple(kwargs)), [])
+        first = next((m for specs, m in same if specs == (args_spec, kwargs_spec)), None)  # specs: unhashable
+        if first is None:
+            same.append(((args_spec, kwargs_spec), n))
+        else:
+            n.replace_all_uses_with(first)
+            gm.graph.erase_node(n)
     cls = _get_graph_module_cls()  # lazy while shard() runs: later passes' recompiles only mark the code stale
-    if not isinstance(out, cls):
-        out = cls(out, out.graph)
+    out = gm if isinstance(gm, cls) else cls(gm, gm.graph)
     out.recompile()
     return out
 
