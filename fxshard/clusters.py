@@ -56,9 +56,9 @@ def block_instances(gm: fx.GraphModule) -> dict[str, tuple[str, int]]:
     return {n.name: (prefix, i) for n, (_, prefix, i) in best.items()}
 
 
-def node_classes(gm: fx.GraphModule, local: dict[str, object]) -> dict[str, str]:
-    """``member name -> representative name`` (the class's first node in graph order) for decision nodes
-    that share variables; nodes not listed keep their own.
+def node_classes(gm: fx.GraphModule, local: dict[str, object], decision: set[str]) -> dict[str, str]:
+    """``member name -> representative name`` (the class's first node in graph order) for the nodes named in
+    ``decision`` that share variables; nodes not listed keep their own.
 
     ``local[name]`` is a hashable summary of a node's problem data (a decision node's candidates per axis,
     legality pairs, work; a fixed value's layout): members of a class have equal summaries."""
@@ -66,8 +66,7 @@ def node_classes(gm: fx.GraphModule, local: dict[str, object]) -> dict[str, str]
     colour = refine(gm, local, inst)
     groups: dict[int, list[fx.Node]] = defaultdict(list)
     for n in gm.graph.nodes:
-        if n.name in colour and n.name in inst and n.op == "call_function" and isinstance(local.get(n.name), tuple) \
-                and n.name in local:
+        if n.name in decision and n.name in inst:
             groups[colour[n.name]].append(n)
     rep: dict[str, str] = {}
     for members in groups.values():
@@ -124,7 +123,7 @@ def refine(gm: fx.GraphModule, local: dict[str, object], inst: dict[str, tuple[s
 def _own(n: fx.Node, local: dict[str, object]) -> tuple:
     """A node's own data, its neighbours left out (the first colour)."""
     val = n.meta.get("val")
-    shape = tuple((tuple(v.shape), v.dtype) if hasattr(v, "shape") else type(v).__name__
+    shape = tuple((str(tuple(v.shape)), v.dtype) if hasattr(v, "shape") else type(v).__name__
                   for v in (val if isinstance(val, (tuple, list)) else (val,)))
     if n.op == "placeholder":
         return ("placeholder", shape, local.get(n.name))

@@ -298,7 +298,7 @@ def cluster(gm: fx.GraphModule, problem: Problem) -> dict[str, str]:
     local: dict[str, object] = {u[0]: lay for u, lay in problem.fixed.items()}
     for name, nv in problem.nodes.items():
         local[name] = (tuple(tuple(ax) for ax in nv.axes), tuple(nv.invalid), nv.flops, len(nv.inputs))
-    return node_classes(gm, local)
+    return node_classes(gm, local, set(problem.nodes))
 
 
 def _legality(gm: fx.GraphModule, problem: Problem):
