@@ -47,6 +47,8 @@ if __package__ in (None, ""):
 from benchmarks._common import machine, median, rotated, table, write_json  # noqa: E402
 
 LLAMA8B = dict(vocab=128256, dim=4096, n_heads=32, n_kv_heads=8, hidden=14336, max_seq=2048)
+LLAMA70B = dict(vocab=128256, dim=8192, n_heads=64, n_kv_heads=8, hidden=28672, max_seq=2048)
+WIDTHS = {"8b": LLAMA8B, "70b": LLAMA70B}
 STAGES = {  # progress message prefix -> stage name
     "checking the plan": "plan",
     "tracing the forward": "trace forward",
@@ -182,8 +184,9 @@ def timed_pipeline(acc: dict[str, float]):
     return Pipeline(tuple(wrap(p) for p in DEFAULT.passes))
 
 
-def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 128) -> dict:
-    """Shard the 8B-wide model of ``n_layers`` once; total and per-phase seconds."""
+def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 128, width: dict = LLAMA8B,
+                in_specs=None) -> dict:
+    """Shard the model of ``width`` and ``n_layers`` once; total and per-phase seconds."""
     import torch
 
     import fxshard
@@ -191,13 +194,13 @@ def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 12
     from tests.models import LlamaDecoder
 
     with torch.device("meta"):
-        model = LlamaDecoder(n_layers=n_layers, **LLAMA8B)
+        model = LlamaDecoder(n_layers=n_layers, **width)
     tokens = torch.zeros(batch, seq, dtype=torch.long)
     marks: list[tuple[str, float]] = []
     acc: dict[str, float] = {}
     gc.collect()
     t0, c0 = time.perf_counter(), time.process_time()
-    fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), planner=planner,
+    fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), planner=planner, in_specs=in_specs,
                   progress=lambda msg: marks.append((msg, time.perf_counter())), pipeline=timed_pipeline(acc))
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     stage = {}
@@ -212,32 +215,38 @@ def phases_once(n_layers: int, mesh, planner: str, batch: int = 8, seq: int = 12
     return out
 
 
-def phases(rounds: int, n_layers: int, tp: int) -> dict:
-    """Interleaved rounds of ``phases_once`` for both planners; medians per phase."""
+def phases(rounds: int, n_layers: int, tp: int, dp: int = 1, width: str = "8b",
+           planners: tuple[str, ...] = ("greedy", "global")) -> dict:
+    """Interleaved rounds of ``phases_once`` for ``planners``; medians per phase. ``dp > 1``: a ``dp x tp``
+    mesh, the batch split over ``dp`` (``in_specs``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from benchmarks._common import rotated
 
-    planners = ["greedy", "global"]
+    from fxshard import P
+
+    planners = list(planners)
     runs: dict[str, list[dict]] = {p: [] for p in planners}
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp * dp)
+    in_specs = (P("dp"), P("dp")) if dp > 1 else None
     try:
-        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-        phases_once(2, mesh, "greedy")  # warm-up: first-call imports and caches
+        mesh = (init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if dp > 1 else
+                init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",)))
+        phases_once(2, mesh, "greedy", in_specs=in_specs)  # warm-up: first-call imports and caches
         for r in range(rounds):
             for p in rotated(planners, r):
-                runs[p].append(phases_once(n_layers, mesh, p))
+                runs[p].append(phases_once(n_layers, mesh, p, width=WIDTHS[width], batch=8 * dp, in_specs=in_specs))
                 print(f"  round {r + 1}/{rounds}: planner={p} {runs[p][-1]['total']:6.2f} s", flush=True)
     finally:
         dist.destroy_process_group()
-    names = list(runs["greedy"][0])
+    names = list(runs[planners[0]][0])
     med = {p: {k: median([x.get(k, 0.0) for x in runs[p]]) for k in names} for p in planners}
-    print(f"fxshard.shard() of the 8B-wide model, {n_layers} layers, training, TP={tp} (fake process group); "
-          f"median of {rounds} rounds, seconds")
+    print(f"fxshard.shard() of the {width.upper()}-wide model, {n_layers} layers, training, "
+          f"{f'DP={dp} x ' if dp > 1 else ''}TP={tp} (fake process group); median of {rounds} rounds, seconds")
     print(table([[k] + [f"{med[p][k]:.2f}" for p in planners] for k in names], ["phase"] + planners))
-    return {"layers": n_layers, "tp": tp, "rounds": rounds, "runs": runs, "median_s": med}
+    return {"layers": n_layers, "tp": tp, "dp": dp, "width": width, "rounds": rounds, "runs": runs, "median_s": med}
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
@@ -258,6 +267,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--tp", type=int, default=8)
     ap.add_argument("--mode", choices=["depth", "toy", "phases"], default="depth")
+    ap.add_argument("--width", choices=sorted(WIDTHS), default="8b", help="--mode phases: Llama-3-8B or -70B shapes")
+    ap.add_argument("--dp", type=int, default=1, help="--mode phases: a dp x tp mesh, batch 8 x dp split over dp")
+    ap.add_argument("--planners", nargs="+", default=["greedy", "global"], help="--mode phases")
+    ap.add_argument("--out", default=None, help="--mode phases: results file name (benchmarks/results/)")
     a = ap.parse_args(argv)
     if a.mode != "depth":
         import torch
@@ -265,11 +278,12 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
         info = machine()
         print(f"load average at start: {info['load_avg_at_start']}")
-        out = toy(a.rounds) if a.mode == "toy" else phases(a.rounds, max(a.layers), a.tp)
+        out = toy(a.rounds) if a.mode == "toy" else phases(a.rounds, max(a.layers), a.tp, a.dp, a.width,
+                                                           tuple(a.planners))
         out["machine"] = info
         out["load_avg_at_end"] = list(os.getloadavg())
         print(f"load average at end: {out['load_avg_at_end']}")
-        print(f"wrote {write_json(f'shard_time_{a.mode}.json', out)}")
+        print(f"wrote {write_json(a.out or f'shard_time_{a.mode}.json', out)}")
         return out
 
     import torch

@@ -106,3 +106,84 @@ def test_global_plan_trains_like_unsharded():
     for res in run_ranks(_train_global, 2, timeout=600):  # two shard() calls, each solving two programs
         for name, r in res.items():
             assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] > 0, (name, r)
+
+
+def test_layer_clustering_shares_the_middle_layers_at_the_unclustered_cost(fake_mesh, monkeypatch):
+    """4 identical layers on tp=2: the decision nodes of layer 2 take layer 1's columns (layers 0 and 3
+    border the embedding and the head, so they keep their own), each member with its representative's
+    candidates; solved again without sharing, the same problem's optimum costs the same."""
+    from fxshard.clusters import block_instances
+    from fxshard.passes import solve as solve_mod
+
+    mesh = fake_mesh(2)
+    seen = []
+    real_cluster = solve_mod.cluster
+
+    def spy(gm, problem):
+        shared = real_cluster(gm, problem)  # later passes rewrite gm: read it now
+        seen.append(({n.name: n.target for n in gm.graph.nodes}, block_instances(gm), problem, dict(shared)))
+        return shared
+
+    monkeypatch.setattr(solve_mod, "cluster", spy)
+    with torch.device("meta"):
+        model = models.LlamaDecoder(vocab=2048, dim=256, n_heads=8, n_kv_heads=4, n_layers=4, hidden=512, max_seq=128)
+    tokens = torch.zeros(8, 128, dtype=torch.long)
+    fxshard.shard(model, mesh, llama_megatron_plan(4), example_inputs=(tokens, tokens), planner="global")
+    targets, inst, problem, shared = seen[0]  # the training program
+    assert shared and len(set(shared.values())) == len(shared)  # one member per representative: one-to-one
+    for member, rep in shared.items():  # the representative comes first in graph order: layer 2's in the backward
+        assert {inst[member], inst[rep]} == {("layers", 1), ("layers", 2)}
+        assert targets[member] == targets[rep] and problem.nodes[member].axes == problem.nodes[rep].axes
+    # every decision node of layers 1 and 2 is in a pair
+    in_layer = lambda i: {n for n in problem.nodes if inst.get(n) == ("layers", i)}  # noqa: E731
+    assert set(shared) | set(shared.values()) == in_layer(1) | in_layer(2)
+    assert len(in_layer(1)) == len(in_layer(2)) == len(shared)
+
+    clustered = solve_mod.solve_problem(problem)
+    assert all(clustered[m] == clustered[r] for m, r in shared.items())
+    problem.shared = {}
+    alone = solve_mod.solve_problem(problem)
+    assert solve_mod.plan_cost(problem, clustered) == pytest.approx(solve_mod.plan_cost(problem, alone), rel=1e-9)
+    assert solve_mod.plan_cost(problem, clustered) < solve_mod.plan_cost(problem, {n: nv.greedy for n, nv in
+                                                                                   problem.nodes.items()})
+
+
+def _train_clustered(rank: int, world: int) -> dict:
+    """A 4-layer Llama planned by the global planner with layer clustering (layers 1 and 2 share
+    variables): loss and full gradients against the unsharded model, and how many nodes shared."""
+    import logging
+
+    shared = []
+
+    class Spy(logging.Handler):
+        def emit(self, record):
+            if hasattr(record, "fxshard_solve"):
+                shared.append(record.fxshard_solve["shared"])
+
+    log = logging.getLogger("fxshard.passes.solve")
+    spy, level = Spy(), log.level
+    log.addHandler(spy)
+    log.setLevel(logging.INFO)
+    try:
+        mesh = fxshard.init_mesh(tp=world)
+        model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=4, hidden=64, max_seq=16)
+        batch = (models.make_tokens(2, 16, 64, seed=3), models.make_tokens(2, 16, 64, seed=53))
+        sm = fxshard.shard(copy.deepcopy(model), mesh, llama_megatron_plan(4), example_inputs=batch,
+                           planner="global")
+    finally:
+        log.removeHandler(spy)
+        log.setLevel(level)
+    ref_loss = model(*batch)
+    ref_loss.backward()
+    loss = sm(*batch)
+    loss.backward()
+    grads = {n: sm._dtensor(n, p.grad).full_tensor() for n, p in sm.named_parameters()}
+    return {"loss_err": abs(loss.item() - ref_loss.item()),
+            "grad_err": max((grads[n] - model.get_parameter(n).grad).abs().max().item() for n in grads),
+            "n_grads": len(grads), "shared": shared}
+
+
+def test_clustered_global_plan_trains_like_unsharded():
+    for r in run_ranks(_train_clustered, 2, timeout=600):
+        assert r["shared"] and min(r["shared"]) > 0, r  # both programs solved with shared variables
+        assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] == 4 * 9 + 3, r

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from ..clusters import node_classes
 from ..consistency import check_same_on_all_ranks
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
@@ -121,6 +122,8 @@ class Problem:
     required: list[tuple[ValueKey, Layout]] = field(default_factory=list)  # fixed demands (graph outputs)
     # demands that follow a decision node's output (a free parameter's gradient takes its layout)
     tied: list[tuple[ValueKey, str]] = field(default_factory=list)
+    # member -> representative: decision nodes that take their representative's choices (fxshard/clusters.py)
+    shared: dict[str, str] = field(default_factory=dict)
 
     def outputs_of(self, u: ValueKey, a: int) -> dict[Pl, list[int]]:
         """The placements value ``u`` may take on axis ``a``, each with the producer's choices giving it."""
@@ -137,6 +140,8 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     if ctx.planner != "global":
         return gm
     problem = build_problem(gm, ctx)
+    if os.environ.get("FXSHARD_CLUSTER", "1") != "0":
+        problem.shared = cluster(gm, problem)
     picks = solve_problem(problem, _legality(gm, problem))
     check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()}, ctx.mesh)
     apply(gm, ctx, problem, picks)
@@ -287,6 +292,16 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
     return problem
 
 
+def cluster(gm: fx.GraphModule, problem: Problem) -> dict[str, str]:
+    """Layer clustering (``fxshard/clusters.py``): ``member -> representative`` for decision nodes of identical
+    repeated blocks, which then share one set of variables. Members have equal candidate lists, legality
+    pairs and work; set ``FXSHARD_CLUSTER=0`` to solve without sharing (to compare)."""
+    local: dict[str, object] = {u[0]: lay for u, lay in problem.fixed.items()}
+    for name, nv in problem.nodes.items():
+        local[name] = (tuple(tuple(ax) for ax in nv.axes), tuple(nv.invalid), nv.flops, len(nv.inputs))
+    return node_classes(gm, local, set(problem.nodes))
+
+
 def _legality(gm: fx.GraphModule, problem: Problem):
     """``picks -> [illegal node names]``: the full N-D check pairwise exclusions cannot make on 3+ axes."""
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -400,6 +415,14 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
     k = len(problem.sizes)
     x: dict[str, list[list[int]]] = {}
     for name, nv in problem.nodes.items():
+        rep = problem.shared.get(name)
+        if rep is not None:  # the representative's columns, which pay this instance's compute and tie too
+            x[name] = x[rep]
+            for a in range(k):
+                for i, c in enumerate(nv.axes[a]):
+                    m.cost[x[name][a][i]] += compute_cost(problem, nv, a, c, picks[name])
+                m.cost[x[name][a][nv.greedy[a]]] -= TIE
+            continue
         x[name] = [[m.var(compute_cost(problem, nv, a, c, picks[name]), True) for c in nv.axes[a]] for a in range(k)]
         for a in range(k):
             m.row([(i, 1.0) for i in x[name][a]], 1.0, 1.0)
@@ -422,15 +445,29 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
         for a in range(k):
             consumers.setdefault((u, a), []).append(
                 {p: [x[name][a][i] for i in idx] for p, idx in problem.outputs_of((name, 0), a).items()})
+    # an edge system equal to one built before (same columns, same prices) is that one again: its
+    # payments are counted once more instead of repeating its variables and rows (exact: the copies are
+    # independent given the x columns, so each has the same optimum)
+    systems: dict[tuple, tuple[list[int], list[int]]] = {}  # key -> (paying columns, instances)
     for (u, a), slots in consumers.items():
         outs = {q: [x[u[0]][a][i] for i in idx] for q, idx in problem.outputs_of(u, a).items()}
+        lay = context[u]
+        key = (a, problem.nbytes[u], lay[:a] + lay[a + 1:], tuple((q, tuple(c)) for q, c in outs.items()),
+               tuple(tuple((p, tuple(c)) for p, c in by_pl.items()) for by_pl in slots))
+        if key in systems:
+            systems[key][1][0] += 1
+            continue
         z: dict[tuple[Pl, Pl], int] = {}
+        payers: list[int] = []
+        systems[key] = (payers, [1])
 
         def paid(q: Pl, p: Pl) -> Optional[int]:
             """The variable paying for ``q -> p`` once for all consumers (None when free)."""
             if (q, p) not in z:
                 cost = _axis_price(problem, u, a, q, p, context)
                 z[(q, p)] = m.var(max(cost, MIN_COST), False) if cost > 0 else -1
+                if cost > 0:
+                    payers.append(z[(q, p)])
             return None if z[(q, p)] < 0 else z[(q, p)]
 
         for by_pl in slots:
@@ -455,6 +492,9 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
                 v = paid(q, p)
                 if v is not None:
                     m.row([(v, 1.0), (ev, -1.0)], 0.0, 1.0)
+    for payers, (count,) in systems.values():
+        for v in payers:
+            m.cost[v] *= count
     return m, x
 
 
@@ -465,7 +505,9 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
 
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
     out (the greedy one first); the next round prices with the new plan's layouts. Every plan is
-    scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned.
+    scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned; a round whose
+    plan is no better than the best seen ends the search. Nodes in ``problem.shared`` take their
+    representative's columns (every instance's compute and edges still priced).
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
     solve time on the ``fxshard.passes.solve`` logger (INFO). ``extend(model, x)`` adds columns and rows
@@ -513,15 +555,16 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
                                 f"use planner='greedy' and please report this model")
         tried += 1
         cost = plan_cost(problem, picks)
-        if cost < best_cost:
+        improved = cost < best_cost
+        if improved:
             best, best_cost = picks, cost
-        if picks == prev:
+        if picks == prev or (tried > 1 and not improved):  # a round that found nothing better ends the search
             break
         prev = picks
-    stats = {"nodes": len(x), "binaries": sum(m.integer), "variables": len(m.cost), "rows": len(m.row_lb),
+    stats = {"nodes": len(x), "shared": len(problem.shared), "binaries": sum(m.integer), "variables": len(m.cost), "rows": len(m.row_lb),
              "rounds": tried, "seconds": time.perf_counter() - t0, "cost": best_cost * UNIT,
              "greedy_cost": greedy_cost * UNIT}
-    LOG.info("global plan: %(nodes)d nodes, %(binaries)d binaries, %(variables)d variables, %(rows)d rows; "
+    LOG.info("global plan: %(nodes)d nodes (%(shared)d sharing a representative's variables), %(binaries)d binaries, %(variables)d variables, %(rows)d rows; "
              "%(rounds)d MILP(s) in %(seconds).2f s; cost %(cost).4g (greedy %(greedy_cost).4g)", stats,
              extra={"fxshard_solve": stats})
     return best
