@@ -136,8 +136,13 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     if ctx.planner != "global":
         return gm
     problem = build_problem(gm, ctx)
-    picks = solve_problem(problem, _legality(gm, problem))
-    check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()}, ctx.mesh)
+    if ctx.activation_room is not None:  # auto-sharding's memory budget (fxshard/auto.py)
+        from ..auto import solve_within
+        picks = solve_within(gm, ctx, problem, _legality(gm, problem))
+    else:
+        picks = solve_problem(problem, _legality(gm, problem))
+        check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()},
+                                ctx.mesh)
     apply(gm, ctx, problem, picks)
     return gm
 
