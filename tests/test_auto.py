@@ -1,5 +1,6 @@
 """Auto-sharding (``fxshard.shard(..., auto=True, memory_budget=...)``, fxshard/auto.py): plans on the fake
-process group, numerics of auto-chosen plans on 2 gloo ranks and on a 2x2 (dp, tp) mesh of 4 against the unsharded model."""
+process group, numerics of auto-chosen plans against the unsharded model on 2 gloo ranks and on a 2x2 (dp, tp)
+mesh of 4."""
 
 from __future__ import annotations
 
