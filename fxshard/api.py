@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
-from .auto import AutoReport, complete_plan, measure, parse_budget
+from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget
 from .memory import memory as memory_report
+from .sizes import fmt_bytes
 from .consistency import fingerprint
 from .cost import linked_mesh_info
 from .constrain import constraint_scope
@@ -140,19 +141,28 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
                    bucket_mb, planner, remat, auto, budget)
-    progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
-    if report is not None:  # sharding again for other modes keeps the chosen plan
-        req = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,
-                      planner=req.planner or "global")
-    say("allocating local shards")
-    tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
-    modules = _module_tree(model)
-    sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
-                       modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
-                       reshard=None if getattr(model, "fxshard_fixed_modes", False)
-                       else _resharder(model, info, req, placements, say), auto=report)
-    if report is not None:
-        sm._auto = measure(report, memory_report(sm, "adamw"))
+    for attempt in range(RETRIES + 1):
+        progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
+        keep = req
+        if report is not None:  # sharding again for other modes keeps the chosen plan
+            keep = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,
+                           planner=req.planner or "global")
+        say("allocating local shards")
+        tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
+        modules = _module_tree(model)
+        sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
+                           modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
+                           reshard=None if getattr(model, "fxshard_fixed_modes", False)
+                           else _resharder(model, info, keep, placements, say), auto=report)
+        if report is None:
+            break
+        sm._auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)
+        margin = next_margin(sm._auto)
+        if margin is None:
+            break
+        say(f"auto: the result needs {fmt_bytes(sm._auto.measured)} per rank, over the budget; planning again "
+            f"against {fmt_bytes(req.budget - margin)}")
+        req = replace(req, margin=margin)
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
@@ -177,6 +187,7 @@ class _Request:
     remat: Policy = Policy()
     auto: bool = False
     budget: Optional[int] = None
+    margin: int = 0  # auto plans against budget - margin (after a result measured over the budget)
 
 
 def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str]]:
@@ -246,9 +257,11 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
     report = None
     if req.auto:
         say("choosing the placements the plan leaves out (auto)")
-        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget)
+        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin)
         ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                        constraints=recorded)
+        if report is not None and req.budget is not None:  # the planner keeps the values within what is left
+            ctx.activation_room = req.budget - req.margin - (report.footprint - report.activation_peak)
     ctx.planner = req.planner or ("global" if report is not None else "greedy")
 
     placements: dict[str, tuple[Pl, ...]] = {}

@@ -8,18 +8,22 @@ chosen strategies need (the split itself, or a gather priced like any other layo
 its gradient must arrive in the parameter's layout (a reduce-scatter instead of an all-reduce).
 Parameters and buffers the plan places, and buffers, stay as given.
 
-The memory budget is one linear row of the MILP. Per rank, for a parameter of ``n`` elements of
+The memory budget is linear rows of the MILP. Per rank, for a parameter of ``n`` elements of
 ``b`` bytes whose layout splits it ``f`` ways: ``n*b/f`` (the parameter), plus for a trained
 parameter ``n*b/f`` (its gradient) and ``2*n*4/f`` (AdamW's two fp32 states; FSDP and tensor
 splits shard optimizer state like the parameter). Per-axis choices make ``1/f`` a product, so each
-parameter also gets one continuous variable per N-D layout, tied to its per-axis binaries. The
-constant part: the placed parameters and buffers, and the activation peak, estimated as the
-largest sum of values live at once in the planned graph (forward + backward for training) with
-the data-parallel layouts of the greedy plan (every free parameter replicated), parameter
-gradients left out. It is made before the plan exists and is not a bound: the chosen layouts change
-the activations (gathers, partial sums) and the transient full copy an FSDP-style parameter is
-gathered into is not counted. ``measure`` checks the sharded result with ``fxshard.memory`` and
-warns when it exceeds the budget.
+parameter also gets one binary per N-D layout, tied to its per-axis binaries. Activations
+(``_Activations``): every value of the planned graph (forward + backward for training, parameter
+gradients included) has its local bytes as a variable bounded below by two linearizations of the
+same product (exact on 1 and 2 mesh axes), and each step of the graph's liveness (``memory.liveness``,
+the sweep ``fxshard.memory`` makes over each program) is a row: parameters' state + the values live
+then <= budget. What this model does not see (the sharded programs' collective buffers and the
+copies a redistribution makes, the transient full copy of an FSDP-style parameter, the split of
+the joint graph into forward and backward programs) is then measured: ``shard()`` measures the
+result with ``fxshard.memory`` (``measure``) and, when it exceeds the budget, plans again against
+the budget less what the estimate missed (``next_margin``, up to ``RETRIES`` times), warning if
+the last result still does not fit. A budget no plan fits even at the smallest state and
+activation bounds, or for which the MILP finds no plan, is a ShardingError.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import operator
 import time
 import warnings
 from dataclasses import dataclass
@@ -42,23 +45,26 @@ from .passes.propagate import propagate
 from .passes.trace import Traced
 from .context import ShardContext
 from .errors import ShardingError
-from .ir import META_KEY, VIEW_OPS
-from .memory import liveness_peak
-from .registry import output_leaves
+from .ir import META_KEY
+from .memory import liveness, liveness_peak_of
 from .placements import Pl, R, S
 from .sizes import fmt_bytes as _fmt, parse_bytes
 from .spec import Spec
-from .passes.solve import UNIT, build_problem, plan_cost, solve_problem
+from .passes.solve import UNIT, build_problem, layouts, plan_cost, solve_problem
 
-__all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "measure", "ADAMW_STATES", "STATE_BYTES"]
+__all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "solve_within", "measure",
+           "next_margin", "ADAMW_STATES", "STATE_BYTES"]
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq per trained parameter element
 STATE_BYTES = 4  # each kept in fp32
 # the budget makes the MILP a knapsack: proving the last percent costs minutes, and the chosen layouts are
 # planned again (planner="global", the parameters fixed) when the model is sharded
-GAP = 0.01
+GAP = 0.001  # relative to the objective, which includes the (large) compute term: 1% let through 2x the comm
 TIME_LIMIT = 60.0  # seconds; then the best plan found is taken, rank 0's on every rank
-ROUNDS = 3  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py)
+ROUNDS = 6  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py); 3 left
+# the 8B MLP replicated (2.29x the hand plan's bytes), the 4th round finds Megatron (1.00x)
+SMALL = 1.0 / 4096  # values under this share of the budget count at their data-parallel size (no MILP column)
+RETRIES = 2  # plans again, with the budget tightened by the measured excess, when the result does not fit
 
 
 def parse_budget(budget: Union[int, float, str, None]) -> Optional[int]:
@@ -95,6 +101,7 @@ class AutoReport:
     comm_replicated: float
     seconds: float
     measured: Optional[int] = None  # the sharded result's footprint (fxshard.memory, AdamW), once known
+    margin: int = 0  # planned against budget - margin: what earlier plans' estimates missed (``next_margin``)
 
     def lines(self) -> list[str]:
         budget = "no budget" if self.budget is None else f"budget {_fmt(self.budget)}"
@@ -102,6 +109,9 @@ class AutoReport:
                f"replicated; memory per rank {_fmt(self.footprint)} ({budget}; activation peak estimate "
                f"{_fmt(self.activation_peak)}); comm estimate {_fmt(self.comm)} vs {_fmt(self.comm_replicated)} "
                f"with every free parameter replicated; solved in {self.seconds:.1f} s"]
+        if self.margin:
+            out.append(f"  planned against {_fmt(self.budget - self.margin)}: an earlier plan's estimate was "
+                       f"{_fmt(self.margin)} under its measured footprint")
         if self.measured is not None:
             out.append(f"  measured on the sharded result (fxshard.memory, AdamW, the larger program peak): "
                        f"{_fmt(self.measured)} per rank")
@@ -137,47 +147,121 @@ def state_bytes(val: torch.Tensor, layout: tuple[Pl, ...], sizes: tuple[int, ...
     return val.numel() * per // _split(layout, sizes)
 
 
-def _activation_peak(gm: fx.GraphModule, sizes: tuple[int, ...], grad_outputs: set[int]) -> int:
-    """Liveness peak of the graph's values at their propagated local sizes, the parameters' gradients
-    (graph outputs ``grad_outputs``, counted with the parameters) left out."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    grads = set()
-    for j, leaf in enumerate(output_leaves(out)):
-        while j in grad_outputs and isinstance(leaf, fx.Node) and leaf not in grads:
-            grads.add(leaf)  # the gradient and the values it views (their storage)
-            if leaf.op == "call_function" and (leaf.target in VIEW_OPS or leaf.target is operator.getitem):
-                leaf = leaf.args[0]
+class _Activations:
+    """The activation memory of a plan of the joint graph ``gm``: the liveness peak of its values at their
+    local sizes under the plan's layouts (``memory.liveness``, as ``fxshard.memory`` sums each program),
+    parameter gradients included (the backward program allocates them; ``fxshard.memory``'s backward
+    peak counts them), and the same peak as MILP rows.
 
-    def local(n: fx.Node) -> int:
-        if n in grads:
-            return 0
-        spec = n.meta.get(META_KEY)
-        total = 0
-        for s in spec if isinstance(spec, tuple) else (spec,):
-            if isinstance(s, Spec):
-                numel = 1
-                for d in s.shape:
-                    numel *= int(d) if isinstance(d, int) else 64
-                total += numel * s.dtype.itemsize // _split(s.placements, sizes)
-        return total
+    A value ``u`` of ``N`` global bytes split on the axes ``a`` where ``s_a = 1`` has ``N * prod_a g_a``
+    local bytes, ``g_a = 1 - (1 - 1/n_a) s_a``: a product of binaries. Its variable ``w_u`` is bounded below
+    by the linearizations at "no axis splits" and "every axis splits" (``w >= N (1 - sum_a (1 - 1/n_a)
+    s_a)`` and ``w >= N L (1 + sum_a (n_a - 1)(1 - s_a))``, ``L = prod 1/n_a``); both are below the product
+    at every 0/1 point (it is supermodular), and on 1 and 2 axes their maximum equals it, so the budget
+    rows, which push ``w`` down, count exactly what the plan allocates (3+ axes: a lower bound). One row
+    per step where a value dies (a step where none dies is covered by the next): the values live then,
+    plus the parameters' state, within the budget; steps that cannot bind (their values at their largest
+    under another step's values at their smallest, or a subset of another step's values) are left out."""
 
-    return liveness_peak(gm, local)
+    def __init__(self, gm: fx.GraphModule, problem, sizes: tuple[int, ...]):
+        self.values, self.frees = liveness(gm)
+        self.problem, self.sizes = problem, sizes
+        self.keys = {}
+        for n in self.values:
+            spec = n.meta.get(META_KEY)
+            self.keys[n] = [(n.name, j) for j, s in enumerate(spec if isinstance(spec, tuple) else (spec,))
+                            if isinstance(s, Spec) and (n.name, j) in problem.nbytes]
+        steps = []  # (live keys, their least bytes, their most bytes) where some value dies
+        live: dict = {}
+        for t, n in enumerate(self.values):
+            for key in self.keys[n]:
+                live[key] = True
+            dying = self.frees.get(t, ())
+            if dying or t == len(self.values) - 1:
+                keys = frozenset(live)
+                steps.append((keys, sum(self._least(k) for k in keys), sum(self._most(k) for k in keys)))
+            for d in dying:
+                for key in self.keys[d]:
+                    live.pop(key, None)
+        # a step whose values cannot outweigh another step's least, or whose values another step holds too,
+        # never binds
+        floor = max((lo for _, lo, _ in steps), default=0.0)
+        steps = sorted((st for st in steps if st[2] >= floor), key=lambda st: -len(st[0]))
+        self.steps: list[frozenset] = []
+        for keys, _, _ in steps:
+            if not any(keys <= other for other in self.steps):
+                self.steps.append(keys)
+
+    def local(self, key, lay: tuple[Pl, ...]) -> float:
+        return self.problem.nbytes[key] / _split(lay, self.sizes)
+
+    def peak(self, lays: dict) -> int:
+        """The liveness peak with every value laid out as ``lays`` (value key -> layout) says."""
+        return int(liveness_peak_of(self.values, self.frees, lambda n: sum(self.local(k, lays[k]) for k in self.keys[n])))
+
+    def smallest(self) -> int:
+        """A lower bound over all plans: each value split on every axis some choice of its producer splits it."""
+        return int(liveness_peak_of(self.values, self.frees, lambda n: sum(self._least(k) for k in self.keys[n])))
+
+    def rows(self, m, x, state: int, scale: float, room: float, small: float) -> None:
+        """Adds to MILP ``m`` (choice columns ``x``) a row per step of ``self.steps``: ``state`` (the column
+        of the parameters' bytes times ``scale``) plus the live values' bytes times ``scale``, at most
+        ``room``. Values under ``small`` bytes at their greedy layout count at it, as constants."""
+        problem, sizes = self.problem, self.sizes
+        L = 1.0
+        for n in sizes:
+            L /= n
+        col: dict = {}
+        const: dict = {}
+        for n in self.values:
+            for key in self.keys[n]:
+                nv = problem.nodes.get(key[0])
+                greedy = self.local(key, problem.fixed.get(key, problem.greedy[key]))
+                if nv is None or greedy < small:
+                    const[key] = greedy
+                    continue
+                N = problem.nbytes[key] * scale
+                w = m.var(0.0, False, 0.0, float("inf"))
+                split = [(a, x[key[0]][a][i]) for a in range(len(sizes)) for i, c in enumerate(nv.axes[a])
+                         if isinstance(c.outputs[key[1]], S)]  # s_a: the producer's choices splitting it on a
+                m.row([(w, 1.0)] + [(v, N * (1 - 1 / sizes[a])) for a, v in split], N, float("inf"))
+                m.row([(w, 1.0)] + [(v, N * L * (sizes[a] - 1)) for a, v in split],
+                      N * L * (1 + sum(n - 1 for n in sizes)), float("inf"))
+                col[key] = w
+        for keys in self.steps:
+            terms = [(state, 1.0)] + [(col[k], 1.0) for k in keys if k in col]
+            m.row(terms, -float("inf"), room - scale * sum(const[k] for k in keys if k in const))
+
+    def _least(self, key) -> float:
+        nv = self.problem.nodes.get(key[0])
+        if nv is None:
+            return self.local(key, self.problem.fixed.get(key, self.problem.greedy[key]))
+        return self.local(key, tuple(S(0) if any(isinstance(c.outputs[key[1]], S) for c in axis) else R
+                                     for axis in nv.axes))
+
+    def _most(self, key) -> float:
+        nv = self.problem.nodes.get(key[0])
+        if nv is None:
+            return self.local(key, self.problem.fixed.get(key, self.problem.greedy[key]))
+        return self.local(key, tuple(S(0) if all(isinstance(c.outputs[key[1]], S) for c in axis) else R
+                                     for axis in nv.axes))
 
 
 def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, list[str]], tied: dict[int, str],
-                      trained: set[str], fixed_bytes: int, budget: Optional[int], grad_outputs: set[int] = frozenset()
+                      trained: set[str], fixed_bytes: int, budget: Optional[int], margin: int = 0
                       ) -> tuple[dict[str, tuple[Pl, ...]], AutoReport]:
     """Layouts for the ``free`` placeholders of a propagated graph (placeholder name -> the FQNs it
-    feeds) within ``budget`` bytes per rank.
+    feeds) within ``budget`` bytes per rank, planned against ``budget - margin``.
 
     Requires: ``gm`` propagated with every free placeholder replicated; ``tied`` maps output indices to
     the free placeholder whose layout they take (gradients); ``trained`` names the free placeholders
-    that get gradients; ``fixed_bytes`` the per-rank bytes of everything placed by the user;
-    ``grad_outputs`` the output indices holding parameter gradients (not activations).
+    that get gradients; ``fixed_bytes`` the per-rank bytes of everything placed by the user.
     Ensures: FQN -> layout for every free parameter, the same on every rank (rank 0's), whose
-    footprint fits ``budget``; a ShardingError with the smallest footprint otherwise."""
+    footprint (state + the activation peak of ``_Activations``) fits ``budget - margin``; a ShardingError
+    with the smallest footprint otherwise."""
     t0 = time.perf_counter()
     sizes = tuple(ctx.mesh.sizes)
+    room = None if budget is None else budget - margin
     vals = {n.name: n.meta["val"] for n in gm.graph.nodes if n.name in free}
     cands = {name: [[R] + [S(d) for d, s in enumerate(v.shape) if s % n == 0 and n > 1] for n in sizes]
              for name, v in vals.items()}
@@ -185,41 +269,56 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
                for name, v in vals.items()}
     cost = {name: [state_bytes(vals[name], lay, sizes, name in trained) for lay in lays]
             for name, lays in options.items()}
-    act = _activation_peak(gm, sizes, set(grad_outputs))
-    base = fixed_bytes + act
-    smallest = base + sum(min(c) for c in cost.values())
-    if budget is not None and smallest > budget:
-        raise ShardingError(
-            f"memory_budget={_fmt(budget)} per rank: no plan fits; the smallest footprint found is {_fmt(smallest)} "
-            f"(parameters, gradients and AdamW state with every free parameter split as far as the mesh allows "
-            f"{_fmt(smallest - base)}, parameters placed by the plan and buffers {_fmt(fixed_bytes)}, activation "
-            f"peak estimate {_fmt(act)}); raise memory_budget, use a larger mesh, split the activations (in_specs) "
-            f"or leave fewer parameters placed by hand")
     problem = build_problem(gm, ctx, free=cands, tied=tied)
+    acts = _Activations(gm, problem, sizes)
+    least_state = fixed_bytes + sum(min(c) for c in cost.values())
+    least_act = acts.smallest()
+
+    def no_fit(why: str) -> ShardingError:
+        tightened = f", planned against {_fmt(room)} to leave {_fmt(margin)} for what the estimate misses" if margin else ""
+        return ShardingError(
+            f"memory_budget={_fmt(budget)} per rank: no plan fits{why}; the smallest footprint is at least "
+            f"{_fmt(least_state + least_act)} (parameters, gradients and AdamW state with every free parameter "
+            f"split as far as the mesh allows {_fmt(least_state - fixed_bytes)}, parameters placed by the plan and "
+            f"buffers {_fmt(fixed_bytes)}, activations with every value split as far as its op allows "
+            f"{_fmt(least_act)}){tightened}; raise memory_budget, use a larger mesh, split the activations "
+            f"(in_specs) or leave fewer parameters placed by hand")
+
+    if room is not None and least_state + least_act > room:
+        raise no_fit("")
 
     def layout(name: str, picks: dict) -> tuple[Pl, ...]:
         return tuple(problem.nodes[name].axes[a][i].outputs[0] for a, i in enumerate(picks[name]))
 
-    def footprint(picks: dict) -> int:
-        return base + sum(cost[name][options[name].index(layout(name, picks))] for name in free)
+    def state(picks: dict) -> int:
+        return fixed_bytes + sum(cost[name][options[name].index(layout(name, picks))] for name in free)
 
     def extend(m, x) -> None:
-        mem_terms = []
+        scale = 1.0 / room
+        total = m.var(0.0, False, 0.0, float("inf"))
+        terms = [(total, -1.0)]
         for name, lays in options.items():
             y = [m.var(0.0, True) for _ in lays]
             for a in range(len(sizes)):
                 for i, c in enumerate(problem.nodes[name].axes[a]):
                     m.row([(x[name][a][i], -1.0)] + [(y[j], 1.0) for j, lay in enumerate(lays)
                                                      if lay[a] == c.outputs[0]], 0.0, 0.0)
-            if budget is not None:
-                mem_terms += [(y[j], cost[name][j] / budget) for j in range(len(lays))]
-        if budget is not None:
-            m.row(mem_terms, 0.0, (budget - base) / budget)
+            terms += [(y[j], cost[name][j] * scale) for j in range(len(lays))]
+        m.row(terms, -fixed_bytes * scale, -fixed_bytes * scale)  # total = every parameter's state, scaled
+        acts.rows(m, x, total, scale, 1.0, room * SMALL)
 
-    picks = agree(solve_problem(problem, rounds=ROUNDS, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
-                                admissible=lambda p: budget is None or footprint(p) <= budget), ctx.mesh)
+    try:
+        picks = solve_problem(problem, rounds=ROUNDS, extend=None if room is None else extend, gap=GAP,
+                              time_limit=TIME_LIMIT, patient=True, admissible=lambda p: room is None
+                              or state(p) + acts.peak(layouts(problem, p)) <= room)
+    except ShardingError as e:
+        if room is None or "found no plan" not in str(e):
+            raise
+        raise no_fit(f" (the solver found none within {TIME_LIMIT:.0f} s or proved there is none)") from e
+    picks = agree(picks, ctx.mesh)
     chosen = {name: layout(name, picks) for name in free}
     total = plan_cost(problem, picks)
+    act = acts.peak(layouts(problem, picks))
     entries, replicated = [], []
     for name, lay in chosen.items():
         if all(p == R for p in lay):
@@ -232,17 +331,40 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         delta = (total - plan_cost(problem, flipped)) * UNIT
         entries += [AutoChoice(fqn, lay, saved, delta) for fqn in free[name]]
     greedy = {name: nv.greedy for name, nv in problem.nodes.items()}
-    report = AutoReport(tuple(entries), tuple(replicated), footprint(picks), budget, act, total * UNIT,
-                        plan_cost(problem, greedy) * UNIT, time.perf_counter() - t0)
+    report = AutoReport(tuple(entries), tuple(replicated), state(picks) + act, budget, act, total * UNIT,
+                        plan_cost(problem, greedy) * UNIT, time.perf_counter() - t0, margin=margin)
     return {fqn: lay for name, lay in chosen.items() for fqn in free[name]}, report
 
 
+def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal) -> dict[str, tuple[int, ...]]:
+    """The global planner's picks for ``problem`` (a graph whose parameters auto-sharding placed) with the
+    liveness peak of its values within ``ctx.activation_room`` bytes (the ``_Activations`` rows), rank
+    0's on every rank. Without these rows the planner re-plans the chosen parameter layouts for
+    communication alone and may lay the activations out larger than the auto plan counted. When no plan
+    keeps the peak within the room (or none is found in time), the plan without the rows: the result
+    is measured afterwards (``measure``)."""
+    room = ctx.activation_room
+    acts = _Activations(gm, problem, tuple(ctx.mesh.sizes))
+
+    def extend(m, x) -> None:
+        acts.rows(m, x, m.var(0.0, False, 0.0, 0.0), 1.0 / max(room, 1), 1.0, max(room, 1) * SMALL)
+
+    try:
+        picks = solve_problem(problem, illegal, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
+                              admissible=lambda p: acts.peak(layouts(problem, p)) <= room)
+    except ShardingError as e:
+        if "found no plan" not in str(e):
+            raise
+        picks = solve_problem(problem, illegal, gap=GAP, time_limit=TIME_LIMIT)
+    return agree(picks, ctx.mesh)
+
+
 def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[Pl, ...]], wants_grad: list[bool],
-                  budget: Optional[int]) -> tuple[dict[str, tuple[Pl, ...]], Optional[AutoReport]]:
+                  budget: Optional[int], margin: int = 0) -> tuple[dict[str, tuple[Pl, ...]], Optional[AutoReport]]:
     """``param_pls`` (the user's plan, resolved) completed with a layout for every parameter it leaves
     out, and the report (None when nothing was left out). Requires ``ctx`` annotated from
     ``param_pls`` (free parameters replicated); plans the training graph when any placeholder
-    ``wants_grad``, else the forward. The traced forward is left as it was."""
+    ``wants_grad``, else the forward, within ``budget - margin``. The traced forward is left as it was."""
     sizes = tuple(ctx.mesh.sizes)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     free: dict[str, list[str]] = {}
@@ -264,9 +386,8 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
         rename = {f.name: j.name for f, j in zip(fwd_ph, joint_ph)}
         tied = {len(ctx.out_required) + m: rename[fwd_ph[i].name] for m, i in enumerate(joint.diff_in)
                 if fwd_ph[i].name in free}
-        grad_outputs = {len(ctx.out_required) + m for m, i in enumerate(joint.diff_in) if traced.slots[i].kind == "param"}
     else:
-        gm, tied, grad_outputs = copy.deepcopy(traced.gm), {}, set()
+        gm, tied = copy.deepcopy(traced.gm), {}
         copy_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
         rename = {f.name: c.name for f, c in zip(fwd_ph, copy_ph)}
         pctx = ShardContext(mesh=ctx.mesh, label=ctx.label, seeds={c: ctx.seeds[f] for f, c in zip(fwd_ph, copy_ph)
@@ -274,18 +395,28 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
                             out_required=list(ctx.out_required), constraints=dict(ctx.constraints))
     propagate(gm, pctx)
     chosen, report = choose_placements(gm, pctx, {rename[k]: v for k, v in free.items()}, tied,
-                                       {rename[k] for k in trained}, fixed, budget, grad_outputs)
+                                       {rename[k] for k in trained}, fixed, budget, margin)
     return {**param_pls, **chosen}, report
 
 
-def measure(report: AutoReport, mem: dict[str, int]) -> AutoReport:
+def measure(report: AutoReport, mem: dict[str, int], last: bool = True) -> AutoReport:
     """``report`` with the footprint ``fxshard.memory(sm, "adamw")`` gives for the result (state plus the
-    largest program peak); warns when that exceeds the budget (the activation estimate was low)."""
+    largest program peak); when ``last`` (no more plans will be tried) warns if that exceeds the budget."""
     peak = max(v for k, v in mem.items() if k.endswith("_peak"))
     measured = mem["params"] + mem["buffers"] + mem["grads"] + mem["optimizer"] + peak
-    if report.budget is not None and measured > report.budget:
+    if last and report.budget is not None and measured > report.budget:
         warnings.warn(f"fxshard auto: the sharded model needs {_fmt(measured)} per rank by fxshard.memory (its "
-                      f"activation peak {_fmt(peak)}, estimated {_fmt(report.activation_peak)} when planning), over "
-                      f"memory_budget={_fmt(report.budget)}; lower the budget by the difference to leave room, or "
-                      f"split the activations (in_specs)", stacklevel=3)
+                      f"activation peak {_fmt(peak)}, estimated {_fmt(report.activation_peak)} when planning"
+                      f"{f' against {_fmt(report.budget - report.margin)}' if report.margin else ''}), over "
+                      f"memory_budget={_fmt(report.budget)}, after {RETRIES + 1} plans; lower the budget by the "
+                      f"difference to leave room, or split the activations (in_specs)", stacklevel=3)
     return dataclasses.replace(report, measured=measured)
+
+
+def next_margin(report: AutoReport) -> Optional[int]:
+    """None when the measured ``report`` fits its budget (or has none); else the margin to plan the next
+    attempt with: what this plan's estimate missed (measured - estimated footprint), and at least the
+    margin so far plus the excess, so that the planned-for budget shrinks every attempt."""
+    if report.budget is None or report.measured is None or report.measured <= report.budget:
+        return None
+    return max(report.measured - report.footprint, report.margin + report.measured - report.budget)

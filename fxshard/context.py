@@ -25,6 +25,8 @@ class ShardContext:
     placements they pin (None: axis left free). ``planner`` is ``"greedy"`` (propagate's sweep) or
     ``"global"`` (the solve pass re-plans the graph with a MILP). ``bucket_mb`` is the gradient bucket
     size of backward programs in MiB (``passes/bucket.py``; None: one collective per gradient).
+    ``activation_room``: set by auto-sharding under a memory budget, the bytes per rank its plan leaves
+    for the graph's values; the global planner keeps their liveness peak within it (``auto.activation_rows``).
     """
 
     mesh: MeshInfo
@@ -35,6 +37,7 @@ class ShardContext:
     label: str = "forward"
     planner: str = "greedy"
     bucket_mb: Optional[float] = None
+    activation_room: Optional[int] = None
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:

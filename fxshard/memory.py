@@ -29,7 +29,7 @@ from .symbolic import sym_dim, sym_shape
 
 aten = torch.ops.aten
 
-__all__ = ["memory", "program_peak", "liveness_peak", "OPTIMIZER_STATES"]
+__all__ = ["memory", "program_peak", "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
@@ -88,6 +88,27 @@ def liveness_peak(gm: fx.GraphModule, nbytes, inputs_live: bool = False, outputs
                   not_counted: frozenset = frozenset()) -> int:
     """Peak of the bytes live at once in ``gm``, ``nbytes(node)`` the bytes each value allocates (see
     :func:`program_peak`; views share their base's storage)."""
+    return liveness_peak_of(*liveness(gm, inputs_live, outputs_live, not_counted), nbytes)
+
+
+def liveness_peak_of(values: list[fx.Node], frees: dict[int, list[fx.Node]], nbytes) -> float:
+    """:func:`liveness_peak` of the steps :func:`liveness` found, ``nbytes(node)`` each value's bytes."""
+    peak = 0
+    live = 0
+    for t, n in enumerate(values):
+        live += nbytes(n)
+        peak = max(peak, live)
+        for dead in frees.get(t, ()):
+            live -= nbytes(dead)
+    return peak
+
+
+def liveness(gm: fx.GraphModule, inputs_live: bool = False, outputs_live: bool = True,
+             not_counted: frozenset = frozenset()) -> tuple[list[fx.Node], dict[int, list[fx.Node]]]:
+    """The values ``gm`` allocates, in order (step ``t`` allocates ``values[t]``), and the values freed
+    after each step (``frees[t]``; a value never freed stays live to the end). This is what
+    :func:`liveness_peak` sums: at step ``t`` the live values are those allocated at or before ``t`` and
+    not freed before ``t``."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     base: dict[fx.Node, fx.Node] = {}
@@ -107,23 +128,19 @@ def liveness_peak(gm: fx.GraphModule, nbytes, inputs_live: bool = False, outputs
     if outputs_live:
         for a in out_node.all_input_nodes:
             last[owner(a)] = end
-    frees: dict[int, list[fx.Node]] = {}
-    live = 0
-    peak = 0
     placeholders = [n for n in nodes if n.op == "placeholder"]
     skip = {placeholders[i] for i in not_counted}
-    for n in nodes:
-        if n.op == "placeholder":
-            if not inputs_live or n in skip:
-                continue
-        elif n.op != "call_function" or n in base:
-            continue
-        live += nbytes(n)
-        frees.setdefault(last.get(n, pos[n]), []).append(n)
-        peak = max(peak, live)
-        for dead in frees.pop(pos[n], []):
-            live -= nbytes(dead)
-    return peak
+    values = [n for n in nodes if (n.op == "placeholder" and inputs_live and n not in skip)
+              or (n.op == "call_function" and n not in base)]
+    step = {pos[n]: t for t, n in enumerate(values)}
+    frees: dict[int, list[fx.Node]] = {}
+    for n in values:
+        # freed once the step at its last use has allocated; a last use that allocates nothing (a view, the
+        # output) keeps it to the end
+        t = step.get(last.get(n, pos[n]))
+        if t is not None:
+            frees.setdefault(t, []).append(n)
+    return values, frees
 
 
 def _saved_state(view: Sharding) -> frozenset:

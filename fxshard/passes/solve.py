@@ -140,10 +140,15 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     if ctx.planner != "global":
         return gm
     problem = build_problem(gm, ctx)
-    if os.environ.get("FXSHARD_CLUSTER", "1") != "0":
-        problem.shared = cluster(gm, problem)
-    picks = solve_problem(problem, _legality(gm, problem))
-    check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()}, ctx.mesh)
+    if ctx.activation_room is not None:  # auto-sharding's memory budget (fxshard/auto.py); its rows index
+        from ..auto import solve_within  # every node's own columns, so its problem is not clustered
+        picks = solve_within(gm, ctx, problem, _legality(gm, problem))
+    else:
+        if os.environ.get("FXSHARD_CLUSTER", "1") != "0":
+            problem.shared = cluster(gm, problem)
+        picks = solve_problem(problem, _legality(gm, problem))
+        check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()},
+                                ctx.mesh)
     apply(gm, ctx, problem, picks)
     return gm
 
@@ -499,14 +504,15 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
 
 
 def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, extend=None,
-                  admissible=lambda picks: True, gap: float = 1e-6, time_limit: Optional[float] = None
-                  ) -> dict[str, tuple[int, ...]]:
+                  admissible=lambda picks: True, gap: float = 1e-6, time_limit: Optional[float] = None,
+                  patient: bool = False) -> dict[str, tuple[int, ...]]:
     """The chosen choice index per decision node and axis.
 
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
     out (the greedy one first); the next round prices with the new plan's layouts. Every plan is
     scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned; a round whose
-    plan is no better than the best seen ends the search. Nodes in ``problem.shared`` take their
+    plan is no better than the best seen ends the search (unless ``patient``: then only a plan that repeats
+    the previous one does; auto-sharding's budget makes later rounds find what earlier ones miss). Nodes in ``problem.shared`` take their
     representative's columns (every instance's compute and edges still priced).
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
@@ -558,7 +564,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
         improved = cost < best_cost
         if improved:
             best, best_cost = picks, cost
-        if picks == prev or (tried > 1 and not improved):  # a round that found nothing better ends the search
+        if picks == prev or (tried > 1 and not improved and not patient):
             break
         prev = picks
     stats = {"nodes": len(x), "shared": len(problem.shared), "binaries": sum(m.integer), "variables": len(m.cost), "rows": len(m.row_lb),
