@@ -124,11 +124,14 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     v, d = call.out_shape
     if not call.arg(4, "scale_grad_by_freq", False) and call.in_pls[1] in _index_splits(call, n):
         return [Strategy((call.in_pls[1], call.in_pls[1]), Part())]
-    res = [Strategy((R, R), R), Strategy((Part(), R), Part())]
+    res = []
+    if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
+        # first: where it ties with the replicated table (both read g replicated), the greedy sweep keeps
+        # the vocab-parallel rows, so a P(sum) table on a data-parallel axis is reduced at 1/n its size
+        res.append(Strategy((R, R), S(0), lowering=MASKED_EMBEDDING_BACKWARD))
+    res += [Strategy((R, R), R), Strategy((Part(), R), Part())]
     if can_split(d, n):
         res.append(Strategy((S(len(g) - 1), R), S(1)))
-    if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
-        res.append(Strategy((R, R), S(0), lowering=MASKED_EMBEDDING_BACKWARD))
     return res
 
 
