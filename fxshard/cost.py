@@ -9,6 +9,13 @@ nothing wins. Two prices are policy, not bytes: like GSPMD, propagation never in
 (annotations ask for it); and an all_to_all is priced like the gather it replaces, because greedy
 choices cannot see that a moved split is often gathered again by another consumer.
 
+The global planner (``passes/solve.py``) drops the first policy (``rs_policy=False``): a reduce_scatter
+costs the bytes it sends, half an all_reduce's. It sees every consumer, so a split it invents also pays
+the all_gather back (reduce_scatter + all_gather: an all_reduce's bytes plus one latency, never
+cheaper); with the policy it undid a user's sequence split (Megatron-SP) where gathers priced below the
+all_reduce-priced reduce_scatters they replaced (tp=8 + SP at Llama-3-8B scale: 1.11x the bytes of
+Megatron-SP; without it, Megatron-SP exactly).
+
 Mesh axes may run on links of different speeds (``tp`` inside a node, ``dp`` across nodes):
 ``links`` turns the user's per-axis bandwidth and latency (by default: whether the axis's groups
 span nodes) into a ``Link`` per axis, and a step on axis ``a`` costs ``link.alpha + bytes *
@@ -109,16 +116,17 @@ def axis_link(mesh: MeshInfo, a: int) -> Link:
     return mesh.links[a] if mesh.links else UNIFORM
 
 
-def step_cost(st: Step, n: int, link: Link = UNIFORM) -> float:
-    """The price of one planned step on an axis of ``n`` ranks joined by ``link`` (see module doc)."""
+def step_cost(st: Step, n: int, link: Link = UNIFORM, rs_policy: bool = True) -> float:
+    """The price of one planned step on an axis of ``n`` ranks joined by ``link`` (see module doc);
+    ``rs_policy=False`` prices a reduce_scatter by the bytes it sends (the global planner)."""
     frac = (n - 1) / n * link.weight
     b = float(st.nbytes)
     if st.kind == "all_gather":
         return link.alpha + b * frac
     if st.kind == "all_reduce":
         return link.alpha + 2 * b * frac
-    if st.kind == "reduce_scatter":  # priced as all_reduce + local slice (policy, see module doc)
-        return link.alpha + 2 * b * frac + EPS * (1 + b)
+    if st.kind == "reduce_scatter":  # policy: priced as all_reduce + local slice (see module doc)
+        return link.alpha + (2 if rs_policy else 1) * b * frac + EPS * (1 + b)
     if st.kind == "all_to_all":  # priced as gathering what it moves + local slice (policy)
         return link.alpha + b * n * frac + EPS * (1 + b * n)
     if st.kind in ("slice", "to_partial"):
@@ -127,20 +135,21 @@ def step_cost(st: Step, n: int, link: Link = UNIFORM) -> float:
 
 
 def price(steps: Sequence[Step], sizes: Sequence[int], scale: float = 1.0,
-          axis_links: Optional[Sequence[Link]] = None) -> float:
+          axis_links: Optional[Sequence[Link]] = None, rs_policy: bool = True) -> float:
     """The cost of ``steps`` (bytes multiplied by ``scale``) on a mesh of axis ``sizes`` whose axes are joined
-    by ``axis_links`` (default: all ``UNIFORM``)."""
+    by ``axis_links`` (default: all ``UNIFORM``); ``rs_policy``: :func:`step_cost`."""
     total = 0.0
     for st in steps:
         if st.axis >= 0:
             total += step_cost(Step(st.kind, st.axis, st.src, st.dst, st.lshape, st.nbytes * scale), sizes[st.axis],
-                               axis_links[st.axis] if axis_links else UNIFORM)
+                               axis_links[st.axis] if axis_links else UNIFORM, rs_policy)
     return total
 
 
-def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int, link: Link = UNIFORM) -> float:
+def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int, link: Link = UNIFORM,
+                    rs_policy: bool = True) -> float:
     """Cost of turning ``src`` into ``dst`` for a tensor of ``nbytes`` global bytes on an axis of ``n`` ranks
-    joined by ``link``.
+    joined by ``link`` (``rs_policy``: :func:`step_cost`).
 
     The planner's steps for a stand-in tensor (one byte per element, every dim of size ``n`` so each
     split is even), priced with their bytes scaled to ``nbytes``.
@@ -148,7 +157,7 @@ def transition_cost(src: Pl, dst: Pl, nbytes: float, n: int, link: Link = UNIFOR
     if src == dst or n == 1:
         return 0.0
     steps, elements = _stand_in_plan(src, dst, n)
-    return price(steps, (n,), nbytes / elements, (link,))
+    return price(steps, (n,), nbytes / elements, (link,), rs_policy)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..context import ShardContext
-from ..ir import COMM_KEY, INSERTED_KEY
+from ..ir import COMM_KEY, INSERTED_KEY, META_KEY
 from ..symbolic import is_concrete
 from ..collectives import all_reduce_into_input
 
@@ -217,6 +217,8 @@ def _emit(g: fx.Graph, ms: list[_Member], output: fx.Node) -> None:
     for i, m in enumerate(ms):
         shape = [m.shape[0] // n_ranks] + list(m.shape[1:]) if rs else list(m.shape)
         piece = op(output, aten.view.default, op(output, operator.getitem, pieces, i), shape)
+        # the member's value and layout: a traced op of its tail (a norm weight gradient's view) reads it
+        piece.meta.update({k: m.wait.meta[k] for k in ("val", META_KEY) if k in m.wait.meta})
         m.wait.replace_all_uses_with(piece)
     for t in tails:
         output.prepend(t)

@@ -193,7 +193,10 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
     """Backward sweep to a fixed point: an op whose only consumer needs its result in another layout
     switches to a strategy producing that layout directly when that moves fewer bytes than computing
     and then redistributing (e.g. an FSDP update reduce-scatters the gradient instead of gathering the
-    parameter and reduce-scattering the result). Each switch strictly lowers the cost, so it ends."""
+    parameter and reduce-scattering the result). Axis by axis: an axis switches only where that saves,
+    others keep their strategy (a data-parallel embedding gradient stays ``P(sum)`` on dp, reduced at
+    the output with the other gradients, while tp switches to the masked vocab-parallel rows). Each
+    switch strictly lowers the cost, so it ends."""
     sizes = ctx.mesh.sizes
     k = len(sizes)
 
@@ -221,11 +224,9 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
             ins = tensor_inputs(node)
             in_specs = [x.meta[META_KEY] for x in ins]
             cur_req = node.meta[IN_KEY]
-            cur = sum(tc(x, s.placements[a], r[a], a) for x, s, r in zip(ins, in_specs, cur_req) for a in range(k))
-            cur += sum(tc(node, spec.placements[a], want[a], a) for a in range(k))
             rule = lookup(node.target)
             chosen: list[Strategy] = []
-            new = 0.0
+            switched = False
             for a in range(k):
                 call = OpCall(node, [s.shape for s in in_specs], [s.placements[a] for s in in_specs], spec.shape,
                               [s.dtype for s in in_specs])
@@ -237,14 +238,21 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
                     c = sum(tc(x, s.placements[a], p, a) for x, s, p in zip(ins, in_specs, st.inputs))
                     if c < best_cost:
                         best, best_cost = st, c
-                if best is None:
+                cur = sum(tc(x, s.placements[a], r[a], a) for x, s, r in zip(ins, in_specs, cur_req))
+                cur += tc(node, spec.placements[a], want[a], a)
+                if best is not None and best_cost < cur * 0.999:  # a real saving, not a tie broken by epsilons
+                    chosen.append(best)
+                    switched = True
+                    continue
+                # no strategy on this axis gives the wanted layout for less: the axis keeps its own
+                best = node.meta[STRATEGY_KEY][a]
+                if not strategy_valid(best, chosen, in_specs, spec.shape, sizes, k, allows_uneven(node.target)):
                     break
                 chosen.append(best)
-                new += best_cost
-            if len(chosen) == k and new < cur * 0.999:  # a real saving, not a tie broken by epsilons
+            if len(chosen) == k and switched:
                 node.meta[STRATEGY_KEY] = tuple(chosen)
                 node.meta[IN_KEY] = [tuple(st.inputs[i] for st in chosen) for i in range(len(ins))]
-                node.meta[META_KEY] = spec.with_placements(want)
+                node.meta[META_KEY] = spec.with_placements(tuple(st.output for st in chosen))
                 changed = True
         if not changed:
             return

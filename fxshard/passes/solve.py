@@ -62,8 +62,9 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links
     of ``sizes`` whose axes are joined by ``links`` (empty: all alike): the solver's only pricing call.
 
     Axes change innermost first, as the collectives are emitted; each step is priced by
-    ``cost.transition_cost`` on the bytes the tensor has on that axis (divided by the other axes' splits).
-    """
+    ``cost.transition_cost`` on the bytes the tensor has on that axis (divided by the other axes' splits),
+    a reduce_scatter by the bytes it sends (``rs_policy=False``: the greedy sweep's price of an all_reduce
+    made the solver undo a user's sequence split; see ``cost.py``)."""
     if src == dst:
         return 0.0
     cur = list(src)
@@ -75,7 +76,8 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links
         for b, p in enumerate(cur):
             if b != a and isinstance(p, S):
                 others *= sizes[b]
-        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a], links[a] if links else UNIFORM)
+        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a], links[a] if links else UNIFORM,
+                                rs_policy=False)
         cur[a] = dst[a]
     return cost
 

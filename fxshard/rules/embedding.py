@@ -110,21 +110,28 @@ def embedding_backward_rule(call: OpCall, n: int) -> list[Strategy]:
     the indices in its range, the ``masked_embedding_backward`` lowering; not with ``scale_grad_by_freq``,
     whose per-row counts the redirected misses would change); or a ``P(sum)`` ``g`` (linear).
 
-    Or indices that arrive split (the batch of data parallelism): each rank accumulates its own tokens'
-    rows into a ``P(sum)`` table, the weight gradient DDP all-reduces, instead of gathering the
-    activation gradient (which grows with the batch); not with ``scale_grad_by_freq`` (the per-row
-    counts would be this rank's). Replicated indices are not sliced for it: that would invent a split
-    whose table reduction the greedy per-op price cannot see (Megatron-SP gathers the gradient there).
+    Indices that arrive split (the batch of data parallelism) are a policy, as in DDP / FSDP: each rank
+    accumulates its own tokens' rows into a ``P(sum)`` table, whose reduction (an all-reduce, or a
+    reduce-scatter into an FSDP-split table) is the only strategy offered, never a gather of the
+    activation gradient over that axis, even where the gather sends fewer bytes (fewer tokens than
+    ``2 V / tp``): the gather's bytes and its transient buffer grow with the batch and sit on the
+    backward's critical path, the table's reduction is fixed-size, bucketed with the other weight
+    gradients and overlaps the backward. Not with ``scale_grad_by_freq`` (the per-row counts would be
+    this rank's). Replicated indices are not sliced for it: that would invent a split whose table
+    reduction the greedy per-op price cannot see (Megatron-SP gathers the gradient there).
     """
     g = call.in_shapes[0]
     v, d = call.out_shape
-    res = [Strategy((R, R), R), Strategy((Part(), R), Part())]
-    if not call.arg(4, "scale_grad_by_freq", False):
-        res += [Strategy((p, p), Part()) for p in _index_splits(call, n) if p == call.in_pls[1]]
+    if not call.arg(4, "scale_grad_by_freq", False) and call.in_pls[1] in _index_splits(call, n):
+        return [Strategy((call.in_pls[1], call.in_pls[1]), Part())]
+    res = []
+    if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
+        # first: where it ties with the replicated table (both read g replicated), the greedy sweep keeps
+        # the vocab-parallel rows, so a P(sum) table on a data-parallel axis is reduced at 1/n its size
+        res.append(Strategy((R, R), S(0), lowering=MASKED_EMBEDDING_BACKWARD))
+    res += [Strategy((R, R), R), Strategy((Part(), R), Part())]
     if can_split(d, n):
         res.append(Strategy((S(len(g) - 1), R), S(1)))
-    if can_split(v, n) and not call.arg(4, "scale_grad_by_freq", False):
-        res.append(Strategy((R, R), S(0), lowering=MASKED_EMBEDDING_BACKWARD))
     return res
 
 
