@@ -123,7 +123,7 @@ def plan_command(args: argparse.Namespace) -> int:
             in_specs = tuple(fxshard.P("dp") for _ in inputs)
             in_specs = (in_specs, {k: fxshard.P("dp") for k in kwargs}) if kwargs else in_specs
         sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
-                           progress=say, auto=args.auto, memory_budget=args.memory_budget)
+                           progress=say, auto=args.auto, memory_budget=args.memory_budget, planner=args.planner)
         say("computing the memory report")
         mem = fxshard.memory(sm, args.optimizer)
         stats = fxshard.comm_stats(sm)
@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan the training step (forward + backward); --no-train plans inference only")
     pl.add_argument("--optimizer", default="adamw", help="optimizer whose state the memory report counts")
     pl.add_argument("--explain", metavar="FILE", help="write the explain table to FILE")
+    pl.add_argument("--planner", choices=["global", "greedy"], default="global",
+                    help="global (default): one MILP over the whole graph, never costlier than the greedy plan; "
+                         "greedy: the fast one-pass sweep")
     pl.add_argument("--auto", action="store_true", help="complete the plan (or an empty one) by cost: every "
                     "parameter it leaves out is replicated or split as the solver finds cheapest within --memory-budget")
     pl.add_argument("--memory-budget", metavar="BYTES", help="per-rank memory budget for --auto, e.g. 80GiB "
