@@ -76,13 +76,15 @@ def test_torch_test_transformer_with_its_own_plan():
         assert res["fwd_err"] <= TOL and res["loss_err"] <= TOL and res["param_err"] <= TOL, res
         assert res["heads"] == 4  # the model keeps its global head count: no local-head workaround
         fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
-        # Megatron: 2 all_reduces per layer each way, + the token embedding's partial sum; logits gathered.
-        # The position table (16 rows, fewer than 2x the tokens) is cheaper to gather than its output is to
-        # all-reduce, so the backward sweep gathers it instead (DTensor would all-reduce the output).
+        # Megatron: 2 all_reduces per layer each way. The tied 64 x 16 table is gathered once (4 KiB) for
+        # both the embedding lookup and the head, which then run replicated: no embedding all_reduce and no
+        # logits gather, forward or backward (the greedy sweep all-reduces the embedding's partial sum and
+        # gathers the 8 KiB of logits: one collective more each way). The position table (16 rows, fewer
+        # than 2x the tokens) is cheaper to gather than its output is to all-reduce (DTensor all-reduces).
         assert fwd == {"all_reduce": fwd["all_reduce"], "all_gather": fwd["all_gather"]}
-        assert fwd["all_reduce"]["count"] == 2 * 2 + 1 and fwd["all_gather"]["count"] == 2
-        assert fwd["all_gather"]["bytes"] == 2 * 16 * 64 * 4 + 16 * 16 * 4
-        assert set(bwd) == {"all_reduce"} and bwd["all_reduce"]["count"] == 2 * 2 + 1
+        assert fwd["all_reduce"]["count"] == 2 * 2 and fwd["all_gather"]["count"] == 2
+        assert fwd["all_gather"]["bytes"] == 64 * 16 * 4 + 16 * 16 * 4
+        assert set(bwd) == {"all_reduce"} and bwd["all_reduce"]["count"] == 2 * 2
 
 
 @pytest.mark.parametrize("seq", [16, 15])  # 15: uneven sequence pieces of 8 and 7, same collectives
@@ -92,10 +94,10 @@ def test_torch_test_transformer_sequence_parallel(seq):
         fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
         # Megatron-SP: each layer's all_reduce becomes reduce_scatter + all_gather, both directions
         assert "all_reduce" not in fwd
-        assert fwd["reduce_scatter"]["count"] == 2 * 2 + 1  # + the token embedding into sequence shards
-        # + the head's input, its replicated logits, and the small position table (gathered, see above)
+        assert fwd["reduce_scatter"]["count"] == 2 * 2  # the embedding runs replicated on the gathered table
+        # + the head's input and the two small tables (gathered, see above)
         assert fwd["all_gather"]["count"] == 2 * 2 + 3
-        assert bwd["reduce_scatter"]["count"] == 2 * 2 + 1 and bwd["all_gather"]["count"] == 2 * 2 + 2
+        assert bwd["reduce_scatter"]["count"] == 2 * 2 and bwd["all_gather"]["count"] == 2 * 2 + 2
         # the only backward all_reduces are the replicated norm weights' gradients (tiny), as in Megatron-SP,
         # all 2 * (2 * 2 + 1) of them in one gradient bucket (bucket_mb, default 25 MiB)
         assert bwd["all_reduce"]["count"] == 1 and bwd["all_reduce"]["bytes"] <= 10 * 16 * 4

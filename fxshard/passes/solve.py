@@ -592,6 +592,7 @@ def greedy_is_optimal(problem: Problem, max_combos: int = MAX_COMBOS) -> bool:
     for u, ds in demands.items():
         costly = {d[0] for d in ds if price(lay_g[u], d[0], problem.nbytes[u], problem.sizes) > 0}
         if len(costly) > 1:  # the greedy plan pays two changes of u, the bound counts one
+            LOG.debug("greedy plan not certified: %s is changed to %d layouts", u, len(costly))
             return False
         chosen = [d for d in ds if d[0] in costly] or ds
         w, src = 1.0 / len(chosen), produced(u)
@@ -616,15 +617,18 @@ def greedy_is_optimal(problem: Problem, max_combos: int = MAX_COMBOS) -> bool:
     lower = constant + sum(local(name, nv.greedy) for name, nv in problem.nodes.items())
     slack = total - lower  # >= 0: what the greedy plan pays beyond the bound at its own choices
     if slack > tol:
+        LOG.debug("greedy plan not certified: it pays %.4g between undecided sides", slack * UNIT)
         return False
     for name, nv in problem.nodes.items():
         if not nv.flops and name not in terms:
             continue
         if math.prod(len(ax) for ax in nv.axes) > max_combos:
+            LOG.debug("greedy plan not certified: %s has more than %d choices", name, max_combos)
             return False
         at_greedy = local(name, nv.greedy)
         slack += at_greedy - min(local(name, picks) for picks in itertools.product(*(range(len(ax)) for ax in nv.axes)))
         if slack > tol:
+            LOG.debug("greedy plan not certified: %s could be %.4g cheaper", name, slack * UNIT)
             return False
     return True
 
