@@ -24,8 +24,9 @@ class ShardContext:
     replicated for lack of a rule. ``constraints`` maps ``fxshard::constrain`` keys to the
     placements they pin (None: axis left free). ``planner`` is ``"greedy"`` (propagate's sweep) or
     ``"global"`` (the solve pass re-plans the graph with a MILP; what ``shard``, ``jit`` and the CLI
-    set by default; internal single-op contexts, such as rule validation, keep the sweep). ``bucket_mb`` is the gradient bucket
-    size of backward programs in MiB (``passes/bucket.py``; None: one collective per gradient).
+    set by default; internal single-op contexts, such as rule validation, keep the sweep).
+    ``bucket_mb`` is the gradient bucket size of backward programs in MiB (``passes/bucket.py``;
+    None: one collective per gradient).
     """
 
     mesh: MeshInfo
