@@ -199,8 +199,8 @@ def _transformer(rank: int, world: int, n_layers: int) -> dict:
     batches = [(models.make_tokens(2, 16, 64, seed=s), models.make_tokens(2, 16, 64, seed=s + 100)) for s in range(2)]
     specs, res = transformer_specs(n_layers), {"n_params": len(params)}
 
-    # the greedy sweep's Megatron + loss-parallel counts (the global planner gathers the tied 8 KiB table
-    # and the logits of this tiny model instead: fewer collectives)
+    # the greedy sweep's Megatron + loss-parallel counts (the global planner gathers this tiny model's tied
+    # 8 KiB table once instead: fewer collectives)
     sgd = sgd_step(model_loss(model), lr=0.1)
     jsgd = fxshard.jit(sgd, mesh, in_specs=(specs, None), out_specs=(None, specs), planner="greedy")
     res["sgd"] = _run(sgd, jsgd, (params,), (specs,), batches, 3, mesh) | _comm(jsgd)
