@@ -163,8 +163,8 @@ def _seed004_train(rank: int, world: int) -> dict:
     batches = [(models.make_images(8, 3, 4, seed=s), torch.randint(0, 8192, (8,), generator=g)) for s in range(2)]
     plan = {"linear.weight": P("tp", None), "linear.bias": P("tp")}
     local = lambda b: (b[0].chunk(world)[rank], b[1].chunk(world)[rank])
-    # the greedy sweep: the global planner gathers the 256 KiB of logits here (3 gathers, 4x the bytes), very
-    # likely because it prices each trunk gradient all_reduce's latency though the bucket pass merges them (open)
+    # the greedy sweep: the global planner gathers the 256 KiB of logits here (4 collectives instead of 9, which
+    # at 64 KiB-equivalents of latency each (cost.ALPHA) outweighs 4x the bytes)
     sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batches[0], in_specs=(P("tp"), P("tp")),
                        planner="greedy")
     loss_err = train_on_local_batches(model, sm, batches, local, steps=3)
