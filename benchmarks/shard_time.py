@@ -8,7 +8,8 @@
 10000 x 1024) with the seed's plan (``net1`` column-wise, ``net2`` row-wise) on a 2-rank mesh of the
 fake process group, each contender in a fresh process per round (what a user's script pays once):
 after ``import torch`` and the process group, the time to import the library and shard once
-(``fxshard.shard`` vs ``parallelize_module``), then a second call in the same process (warm);
+(``fxshard.shard`` with the default planner, ``global``, and with ``planner="greedy"``, vs
+``parallelize_module``), then a second call in the same process (warm);
 wall and CPU (``time.process_time``) seconds.
 Ratios are medians of per-round ratios (contenders interleaved, order rotated per round).
 
@@ -17,7 +18,7 @@ and per phase (``torch.export`` + decompositions of the forward, joint trace, ea
 summed over the training and inference programs, the rest of ``shard()``), wall seconds, and the
 CPU seconds of the whole call (``time.process_time``: less sensitive to other jobs on the machine).
 
-Default (``--mode depth``):
+Default (``--mode depth``), with the greedy planner (``planner="greedy"``; the numbers in the README are its):
 Model: ``tests.models.LlamaDecoder`` at 8B width (dim 4096, 32 heads, 8 KV heads, MLP 14336,
 vocab 128256) built on the meta device (no weights allocated), with the loss inside
 (``forward(tokens, targets)``, batch 8 x 128), parameters requiring grad (training: the
@@ -59,7 +60,7 @@ STAGES = {  # progress message prefix -> stage name
 }
 
 
-def shard_once(n_layers: int, mesh, batch: int = 8, seq: int = 128) -> dict:
+def shard_once(n_layers: int, mesh, batch: int = 8, seq: int = 128, planner: str = "greedy") -> dict:
     """Build the model on meta and shard it; total seconds, seconds per stage, joint graph size."""
     import torch
 
@@ -80,7 +81,7 @@ def shard_once(n_layers: int, mesh, batch: int = 8, seq: int = 128) -> dict:
 
     gc.collect()
     t0 = time.perf_counter()
-    sm = fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), progress=progress)
+    sm = fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), progress=progress, planner=planner)
     t1 = time.perf_counter()
     if sm._training is None:
         raise RuntimeError("expected a training module (parameters require grad)")
@@ -102,11 +103,12 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 t, c = time.perf_counter(), time.process_time()
-if WHO == "fxshard":
+if WHO.startswith("fxshard"):
     import fxshard
     from fxshard import ColwiseParallel, RowwiseParallel
     def run(m, mesh, plan):
-        return fxshard.shard(m, mesh, plan, example_inputs=(torch.rand(10000, 1024),))
+        return fxshard.shard(m, mesh, plan, example_inputs=(torch.rand(10000, 1024),),
+                             planner="greedy" if WHO == "fxshard-greedy" else "global")
 else:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     def run(m, mesh, plan):
@@ -126,7 +128,8 @@ print("RESULT " + json.dumps(out))
 
 
 def toy_once(who: str) -> dict:
-    """Seed 000's ToyModel sharded by ``who`` ("fxshard" or "dtensor") in a fresh process; seconds."""
+    """Seed 000's ToyModel sharded by ``who`` ("fxshard": the default planner, "fxshard-greedy" or
+    "dtensor") in a fresh process; seconds."""
     import json
     import subprocess
 
@@ -148,22 +151,24 @@ def toy(rounds: int) -> dict:
     """Interleaved rounds of ``toy_once`` for both contenders; medians and median per-round ratios."""
     from benchmarks._common import ratio_median, rotated
 
-    runs: dict[str, list[dict]] = {"fxshard": [], "dtensor": []}
+    runs: dict[str, list[dict]] = {"fxshard": [], "fxshard-greedy": [], "dtensor": []}
     for r in range(rounds):
         for who in rotated(list(runs), r):
             runs[who].append(toy_once(who))
-        f, d = runs["fxshard"][-1], runs["dtensor"][-1]
-        print(f"  round {r + 1}/{rounds}: fxshard import+first {f['cold']:.2f} s (warm {f['warm']:.3f}), "
-              f"dtensor {d['cold']:.2f} s (warm {d['warm']:.3f})", flush=True)
+        print(f"  round {r + 1}/{rounds}: " + ", ".join(
+            f"{w} import+first {runs[w][-1]['cold']:.2f} s (warm {runs[w][-1]['warm']:.3f})" for w in runs), flush=True)
     keys = ("import", "first", "cold", "warm", "cpu cold", "cpu warm")
     med = {w: {k: median([x[k] for x in runs[w]]) for k in keys} for w in runs}
-    ratio = {k: ratio_median([x[k] for x in runs["fxshard"]], [x[k] for x in runs["dtensor"]]) for k in keys}
+    ratios = {w: {k: ratio_median([x[k] for x in runs[w]], [x[k] for x in runs["dtensor"]]) for k in keys}
+              for w in ("fxshard", "fxshard-greedy")}
+    ratio = ratios["fxshard"]
     print(f"seed 000 ToyModel (in 1024, hidden 4096, training), 2-rank fake process group, fresh process per "
-          f"contender and round; median of {rounds} rounds")
-    rows = [[w] + [f"{med[w][k]:.3f}" for k in keys] for w in runs] + [["ratio"] + [f"{ratio[k]:.2f}" for k in keys]]
+          f"contender and round; median of {rounds} rounds; fxshard = the default planner (global)")
+    rows = [[w] + [f"{med[w][k]:.3f}" for k in keys] for w in runs] + [
+        [f"ratio {w} / dtensor"] + [f"{ratios[w][k]:.2f}" for k in keys] for w in ratios]
     print(table(rows, ["contender", "library import s", "first call s", "import + first s", "warm call s",
                        "import + first CPU s", "warm CPU s"]))
-    return {"runs": runs, "median_s": med, "ratio": ratio}
+    return {"runs": runs, "median_s": med, "ratio": ratio, "ratio_greedy": ratios["fxshard-greedy"]}
 
 
 def timed_pipeline(acc: dict[str, float]):

@@ -50,7 +50,7 @@ __all__ = ["shard"]
 def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] | str] = None, *,
           example_inputs: Sequence[Any] = (), example_kwargs: Optional[dict] = None, in_specs: Any = None,
           out_specs: Any = None, dynamic_shapes: Any = None, src_data_rank: Optional[int] = 0,
-          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: Optional[str] = None, remat: str = "none",
+          bucket_mb: Optional[float] = DEFAULT_BUCKET_MB, planner: str = "global", remat: str = "none",
           remat_budget: Union[int, float, str, None] = None, auto: bool = False,
           memory_budget: Union[int, float, str, None] = None, bandwidth: Optional[Mapping[str, float]] = None,
           latency: Optional[Mapping[str, float]] = None, progress: Progress = None,
@@ -71,9 +71,12 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     callable gets the messages, ``False`` silences it (``fxshard.progress.reporter``).
     ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
     also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
-    ``planner="global"`` chooses every op's strategy by one MILP over the whole graph (HiGHS via
-    scipy, ``passes/solve.py``) instead of the greedy sweep; the default (None) is ``"greedy"``, or
-    ``"global"`` when ``auto=True`` chose placements.
+    ``planner``: ``"global"`` (default) chooses every op's strategy by one MILP over the whole graph
+    (HiGHS via scipy, ``passes/solve.py``), seeded by the greedy sweep and never costlier than its plan;
+    where the greedy plan is provably optimal (e.g. Megatron styles pinning every layout around the
+    matmuls) the MILP is skipped (``solve.greedy_is_optimal``). ``"greedy"`` keeps the sweep's plan: one
+    pass in graph order, no solver (faster on large graphs; it cannot see that a locally cheap choice
+    costs more later, e.g. under FSDP x tensor-parallel plans).
 
     Link speeds: both planners minimise communication time in the alpha-beta model. By default an axis
     whose process groups span nodes (torchrun's ``LOCAL_WORLD_SIZE``) gets ``cost.INTER_NODE`` bytes/s and
@@ -132,8 +135,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         raise ShardingError(f"bucket_mb={bucket_mb!r} is not a bucket size; pass a number of MiB >= 0 (default "
                             f"{DEFAULT_BUCKET_MB:g}, as DDP's bucket_cap_mb), or None for one collective per gradient")
     remat = check_policy(remat, remat_budget)
-    if planner is not None and planner not in PLANNERS:
-        raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'greedy')")
+    if planner not in PLANNERS:
+        raise ShardingError(f"planner={planner!r} is not a planner; use one of {PLANNERS} (default 'global')")
     budget = parse_budget(memory_budget)
     if budget is not None and not auto:
         raise ShardingError(f"memory_budget={memory_budget!r} is used by auto-sharding only; pass auto=True to let "
@@ -183,7 +186,7 @@ class _Request:
     dynamic_shapes: Any
     pipeline: Pipeline = DEFAULT
     bucket_mb: Optional[float] = DEFAULT_BUCKET_MB
-    planner: Optional[str] = None  # None: "global" when auto chose placements, else "greedy"
+    planner: str = "global"
     remat: Policy = Policy()
     auto: bool = False
     budget: Optional[int] = None
@@ -235,7 +238,8 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
 def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
                            ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device, Optional[AutoReport]]:
     example_inputs, kwargs = req.example_inputs, req.kwargs
-    check_consistent(info, req.in_specs, req.out_specs, fingerprint(req.plan, model, example_inputs))
+    check_consistent(info, req.in_specs, req.out_specs,
+                     {**fingerprint(req.plan, model, example_inputs), "planner": req.planner})
     say("checking the plan")
     param_pls = resolve_plan(req.plan, model, info)
     say("tracing the forward (torch.export)")
@@ -262,7 +266,7 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
                        constraints=recorded)
         if report is not None and req.budget is not None:  # the planner keeps the values within what is left
             ctx.activation_room = req.budget - req.margin - (report.footprint - report.activation_peak)
-    ctx.planner = req.planner or ("global" if report is not None else "greedy")
+    ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}
     shapes: dict[str, tuple] = {}

@@ -142,7 +142,8 @@ def plan_command(args: argparse.Namespace) -> int:
                            bandwidth=args.bandwidth and _per_axis(args.bandwidth, "--bandwidth", "bytes_per_s",
                                                                   "dp=25e9,tp=300e9", _number),
                            latency=args.latency and _per_axis(args.latency, "--latency", "seconds",
-                                                              "dp=2e-5,tp=5e-6", _number))
+                                                              "dp=2e-5,tp=5e-6", _number),
+                           planner=args.planner)
         say("computing the memory report")
         mem = fxshard.memory(sm, args.optimizer)
         stats = fxshard.comm_stats(sm)
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="plan the training step (forward + backward); --no-train plans inference only")
     pl.add_argument("--optimizer", default="adamw", help="optimizer whose state the memory report counts")
     pl.add_argument("--explain", metavar="FILE", help="write the explain table to FILE")
+    pl.add_argument("--planner", choices=["global", "greedy"], default="global",
+                    help="global (default): one MILP over the whole graph, never costlier than the greedy plan; "
+                         "greedy: the fast one-pass sweep")
     pl.add_argument("--auto", action="store_true", help="complete the plan (or an empty one) by cost: every "
                     "parameter it leaves out is replicated or split as the solver finds cheapest within --memory-budget")
     pl.add_argument("--memory-budget", metavar="BYTES", help="per-rank memory budget for --auto, e.g. 80GiB "

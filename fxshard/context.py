@@ -23,8 +23,10 @@ class ShardContext:
     have (None: whatever propagation chose). ``fallbacks`` lists ops computed
     replicated for lack of a rule. ``constraints`` maps ``fxshard::constrain`` keys to the
     placements they pin (None: axis left free). ``planner`` is ``"greedy"`` (propagate's sweep) or
-    ``"global"`` (the solve pass re-plans the graph with a MILP). ``bucket_mb`` is the gradient bucket
-    size of backward programs in MiB (``passes/bucket.py``; None: one collective per gradient).
+    ``"global"`` (the solve pass re-plans the graph with a MILP; what ``shard``, ``jit`` and the CLI
+    set by default; internal single-op contexts, such as rule validation, keep the sweep).
+    ``bucket_mb`` is the gradient bucket size of backward programs in MiB (``passes/bucket.py``;
+    None: one collective per gradient).
     ``activation_room``: set by auto-sharding under a memory budget, the bytes per rank its plan leaves
     for the graph's values; the global planner keeps their liveness peak within it (``auto.activation_rows``).
     """

@@ -72,8 +72,9 @@ def graph_outputs(gm: fx.GraphModule) -> list[Any]:
 
 def context_for(gm: fx.GraphModule, mesh: MeshInfo, seeds: dict[fx.Node, tuple[Pl, ...]],
                 out_required: list[Optional[tuple[Pl, ...]]], constraints: dict[str, Any],
-                label: str = "forward") -> ShardContext:
-    """The pipeline's context for ``gm``: its seeds, required outputs and the placements its
-    ``fxshard::constrain`` nodes pin (``constraints``: the specs recorded while tracing, by key)."""
+                label: str = "forward", planner: str = "global") -> ShardContext:
+    """The pipeline's context for ``gm``: its seeds, required outputs, the placements its
+    ``fxshard::constrain`` nodes pin (``constraints``: the specs recorded while tracing, by key) and
+    the planner (``passes/solve.py``)."""
     return ShardContext(mesh=mesh, seeds=dict(seeds), out_required=list(out_required),
-                        constraints=constraint_table(gm, mesh, constraints), label=label)
+                        constraints=constraint_table(gm, mesh, constraints), label=label, planner=planner)

@@ -53,6 +53,7 @@ from .mesh import MeshInfo
 from .module import Program
 from .frontend import check_consistent, context_for, graph_outputs, required_outputs
 from .passes.annotate import check_divisible, spec_leaves
+from .passes.solve import PLANNERS
 from .passes.trace import DROP, _cse, joint_decomposition_table, tracing_errors
 from .pipeline import DEFAULT, Pipeline
 from .placements import P, Pl
@@ -134,9 +135,10 @@ class ShardedFunction:
     """
 
     def __init__(self, fn: Callable, mesh: DeviceMesh, in_specs: Any, out_specs: Any,
-                 pipeline: Pipeline = DEFAULT) -> None:
+                 pipeline: Pipeline = DEFAULT, planner: str = "global") -> None:
         self._fn = fn
         self._pipeline = pipeline
+        self._planner = planner
         self._mesh = mesh
         self._info = linked_mesh_info(mesh)
         self._in_specs = in_specs
@@ -236,6 +238,7 @@ class ShardedFunction:
         info = self._info
         check_consistent(info, self._in_specs, self._out_specs, {
             "function": getattr(self._fn, "__qualname__", self.__name__),
+            "planner": self._planner,
             "input signature": repr([(l.path, l.global_shape, str(l.dtype)) if l.is_tensor else (l.path, l.value)
                                      for l in leaves]),
         })
@@ -249,7 +252,7 @@ class ShardedFunction:
             seeds[node] = leaf.pls
         out_required = required_outputs(graph_outputs(gm), out_tree, self._out_specs, info, even_why=_JIT_EVEN)
         # fxshard.constrain calls in fn mean what they mean in shard()
-        ctx = context_for(gm, info, seeds, out_required, recorded)
+        ctx = context_for(gm, info, seeds, out_required, recorded, planner=self._planner)
         gm = self._pipeline(gm, ctx)
         return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree, tree, leaves)
 
@@ -406,7 +409,8 @@ def _check_spec_tree(specs: Any, what: str, info: MeshInfo) -> None:
 
 
 def jit(fn: Callable, mesh: DeviceMesh, *, in_specs: Any = None, out_specs: Any = None,
-        example_inputs: Optional[Sequence[Any]] = None, pipeline: Pipeline = DEFAULT) -> ShardedFunction:
+        example_inputs: Optional[Sequence[Any]] = None, pipeline: Pipeline = DEFAULT,
+        planner: str = "global") -> ShardedFunction:
     """Shard the pure function ``fn`` over ``mesh``; returns this rank's :class:`ShardedFunction`.
 
     ``fn(*args)`` takes and returns pytrees (tuples, lists, dicts) of tensors;
@@ -448,11 +452,15 @@ def jit(fn: Callable, mesh: DeviceMesh, *, in_specs: Any = None, out_specs: Any 
     or each new value traces again. Differentiate inside ``fn``: the returned
     function runs under ``no_grad``. Uneven shards are not supported (split
     dims must divide). Spec errors and calls with the wrong number of
-    arguments raise ShardingError. ``pipeline`` is the pass pipeline, as for ``fxshard.shard``.
+    arguments raise ShardingError. ``pipeline`` is the pass pipeline and ``planner`` the planner
+    (``"global"``, default, or ``"greedy"``), as for ``fxshard.shard``.
     """
     if not callable(fn):
         raise ShardingError(f"fxshard.jit expects a function, got {type(fn).__name__}; pass the step function itself")
-    sf = ShardedFunction(fn, mesh, in_specs, out_specs, pipeline)
+    if planner not in PLANNERS:
+        raise ShardingError(f"fxshard.jit: planner={planner!r} is not a planner; use one of {PLANNERS} "
+                            f"(default 'global')")
+    sf = ShardedFunction(fn, mesh, in_specs, out_specs, pipeline, planner)
     if isinstance(in_specs, (tuple, list)) and not is_spec_leaf(in_specs):
         for i, s in enumerate(in_specs):
             name = sf._arg_names[i] if i < len(sf._arg_names) else f"args[{i}]"

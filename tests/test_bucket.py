@@ -76,20 +76,23 @@ def _buckets(sm) -> list[list[str]]:
 def test_buckets_respect_the_cap_group_dtypes_and_follow_readiness(fake_mesh):
     mesh = fake_mesh(2, names=("dp",))
     x = torch.randn(4, 16)
-    sm = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=2200 / 2**20)
+    # the greedy sweep's data-parallel plan: on this 4-row batch the global planner gathers the batch rather
+    # than all-reducing 8 gradients (it prices each all_reduce's latency, though buckets merge them: open)
+    sm = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=2200 / 2**20,
+                       planner="greedy")
     # backward computes l3's gradients first; fp32 buckets hold two layers (2176 <= 2200 bytes), the
     # float64 layer (2176 bytes) is a bucket of its own
     got = [sorted(b) for b in _buckets(sm)]
     assert got == [["l2.bias", "l2.weight", "l3.bias", "l3.weight"], ["l1.bias", "l1.weight"],
                    ["l0.bias", "l0.weight"]], got
     stats = fxshard.comm_stats(sm)["backward"]["all_reduce"]
-    plain = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=None)
+    plain = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=None, planner="greedy")
     assert fxshard.comm_stats(plain)["backward"]["all_reduce"] == {"count": 8, "bytes": stats["bytes"]}
     assert stats["count"] == 3
     # the packing is the pipeline's bucket stage (backward programs only): without it, one per gradient
     bare = Pipeline(tuple(p for p in DEFAULT.passes if p is not BUCKET))
     alone = fxshard.shard(_MLP(), mesh, {}, example_inputs=(x,), in_specs=(P("dp"),), bucket_mb=2200 / 2**20,
-                          pipeline=bare)
+                          pipeline=bare, planner="greedy")
     assert fxshard.comm_stats(alone)["backward"]["all_reduce"] == {"count": 8, "bytes": stats["bytes"]}
     assert "bucket" in DEFAULT.names and BUCKET.program == "backward"
     # each bucket is issued before the backward has finished: compute runs between issue and wait
@@ -116,7 +119,7 @@ def _grads_2x2(rank: int, world: int) -> dict:
     for fsdp in (False, True):
         # shard once without buckets, then run the same programs with the backward bucketed at each size
         sm = fxshard.shard(copy.deepcopy(model), mesh, transformer_specs(2, fsdp), example_inputs=(x, y),
-                           in_specs=(P("dp"), P("dp")), bucket_mb=None)
+                           in_specs=(P("dp"), P("dp")), bucket_mb=None, planner="greedy")  # as above: DDP's all_reduces
         plain = sm._training.bwd.gm
         for mb in (None, 25, 0.004):
             if mb is not None:

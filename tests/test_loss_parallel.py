@@ -47,8 +47,10 @@ def _run(rank: int, world: int, kind: str) -> dict:
     target = torch.tensor([1, 3, 5, 3, 63, 0, 40, 3])
     ref = model(x, target)
     ref.backward()
+    # the greedy sweep: loss parallel is its plan at any size; on these 2 KiB logits the global planner
+    # gathers them once instead (one collective for three per-token all_reduces: latency outweighs bytes)
     sm = fxshard.shard(copy.deepcopy(model), mesh, {"proj.weight": P("tp", None), "proj.bias": P("tp")},
-                       example_inputs=(x.detach().requires_grad_(), target))
+                       example_inputs=(x.detach().requires_grad_(), target), planner="greedy")
     xs = x.detach().clone().requires_grad_()
     out = sm(xs, target)
     out.backward()
@@ -83,8 +85,9 @@ def _outside(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     model = models.LlamaDecoder(vocab=256, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
     tokens, targets = models.make_tokens(2, 16, 256, seed=0), models.make_tokens(2, 16, 256, seed=1)
+    # the greedy sweep, as in _run: the global planner gathers these 32 KiB of logits (latency outweighs bytes)
     sm = fxshard.shard(fxshard.loss_parallel(copy.deepcopy(model), _tutorial_loss), mesh, llama_megatron_plan(2),
-                       example_inputs=(tokens, targets))
+                       example_inputs=(tokens, targets), planner="greedy")
     ref = _tutorial_loss(model(tokens), targets)  # the tutorial's code: the loss outside the model
     ref.backward()
     loss = sm(tokens, targets)

@@ -4,14 +4,18 @@ process group, numerics on 2 gloo ranks against the unsharded model."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
+from fxshard.passes import solve as solve_module
+from fxshard.passes.solve import build_problem, greedy_is_optimal, plan_cost, solve, solve_problem
+from fxshard.pipeline import DEFAULT, Pipeline
 from fxshard.placements import S
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_training import llama_megatron_plan
@@ -187,3 +191,86 @@ def test_clustered_global_plan_trains_like_unsharded():
     for r in run_ranks(_train_clustered, 2, timeout=600):
         assert r["shared"] and min(r["shared"]) > 0, r  # both programs solved with shared variables
         assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] == 4 * 9 + 3, r
+
+
+def _solve_problems(model, mesh, plan, **kwargs) -> tuple[object, list]:
+    """Shard with the global planner, keeping every program's planning problem (the solve pass's input)."""
+    seen = []
+
+    def capture(gm, ctx):
+        seen.append(build_problem(gm, ctx))
+        return solve(gm, ctx)
+
+    pipe = Pipeline(tuple(dataclasses.replace(p, fn=capture) if p.name == "solve" else p for p in DEFAULT.passes))
+    return fxshard.shard(model, mesh, plan, pipeline=pipe, planner="global", **kwargs), seen
+
+
+def _greedy_and_solved(problem) -> tuple[float, float]:
+    greedy = plan_cost(problem, {name: nv.greedy for name, nv in problem.nodes.items()})
+    return greedy, plan_cost(problem, solve_problem(problem))
+
+
+def test_a_provably_optimal_greedy_plan_skips_the_milp(mesh2, monkeypatch):
+    """Seed 000's Megatron MLP (built on meta, matmuls large enough that their compute outweighs a
+    collective's latency): the styles pin every layout around the two matmuls, so the greedy plan is
+    provably optimal (``solve.greedy_is_optimal``) in the forward and the training program: the default
+    planner returns it without building a MILP, and the solver, run anyway, finds nothing cheaper."""
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+
+    def toy():
+        with torch.device("meta"):
+            return models.ToyModel(256, 1024), torch.empty(2048, 256)
+
+    model, x = toy()
+    greedy = fxshard.shard(model, mesh2, plan, example_inputs=(x,), planner="greedy")
+    model, x = toy()
+    sm, problems = _solve_problems(model, mesh2, plan, example_inputs=(x,))
+    assert len(problems) == 2 and all(greedy_is_optimal(p) for p in problems)
+    for p in problems:
+        cost, solved = _greedy_and_solved(p)
+        assert solved == pytest.approx(cost, rel=1e-9) and cost > 0
+    assert fxshard.comm_stats(sm) == fxshard.comm_stats(greedy)
+
+    def no_milp(*args, **kwargs):
+        raise AssertionError("the MILP was built for a provably optimal greedy plan")
+
+    monkeypatch.setattr(solve_module, "solve_problem", no_milp)
+    model, x = toy()
+    fxshard.shard(model, mesh2, plan, example_inputs=(x,))  # the default planner: global
+
+
+def _fsdp_tp_plan() -> dict:
+    """Megatron tp with every weight also split over dp on its other dim (ZeRO-3), the activation
+    layouts kept as module boundaries (``benchmarks/comm_at_scale.py::fsdp_plan``)."""
+    from fxshard import PrepareModuleInputOutput
+
+    def boundary(inp, out):
+        return PrepareModuleInputOutput(input_layouts=inp, desired_input_layouts=inp, output_layouts=out,
+                                        desired_output_layouts=out)
+
+    plan = {"tok_embeddings": boundary(Replicate(), Replicate()), "tok_embeddings.weight": P("tp", "dp"),
+            "output": boundary(Replicate(), Shard(-1)), "output.weight": P("tp", "dp"), "norm.weight": P("dp"),
+            "layers.*.attention_norm.weight": P("dp"), "layers.*.ffn_norm.weight": P("dp")}
+    for m in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        plan[f"layers.*.{m}"] = boundary(Replicate(), Shard(-1))
+        plan[f"layers.*.{m}.weight"] = P("tp", "dp")
+    for m in ("attention.wo", "feed_forward.w2"):
+        plan[f"layers.*.{m}"] = boundary(Shard(-1), Replicate())
+        plan[f"layers.*.{m}.weight"] = P("dp", "tp")
+    return plan
+
+
+def test_the_milp_runs_where_it_improves_the_greedy_plan(fake_mesh):
+    """FSDP x tp: the greedy sweep splits the embedding's hidden dim over dp and runs the residual stream
+    hidden-split (docs/solver_design.md), several times the bytes of the FSDP plan the solver finds.
+    The certificate must not claim the greedy plan optimal there."""
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    with torch.device("meta"):
+        model = models.LlamaDecoder(vocab=2048, dim=256, n_heads=8, n_kv_heads=4, n_layers=1, hidden=512, max_seq=128)
+    tokens = torch.zeros(8, 128, dtype=torch.long)
+    _, problems = _solve_problems(model, mesh, _fsdp_tp_plan(), example_inputs=(tokens, tokens),
+                                  in_specs=(P("dp"), P("dp")))
+    training = problems[0]
+    assert not greedy_is_optimal(training)
+    greedy, solved = _greedy_and_solved(training)
+    assert solved < greedy / 2, (solved, greedy)
