@@ -143,6 +143,8 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
         kw: dict = {}
         if two_d:
             kw = dict(in_specs=(P("dp"), P("dp")) if inside else (P("dp"),), out_specs=None if inside else P("dp"))
+        if two_d:  # like for like with Megatron TP + DDP: at this batch (256 tokens) the default global planner
+            kw["planner"] = "greedy"  # gathers the batch over dp rather than all-reduce the weight gradients
         if name.endswith("-nobucket"):
             kw["bucket_mb"] = None
         mod = fxshard.shard(model, mesh, plan_for(case.plan), example_inputs=example if inside else example[:1], **kw)

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
-from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget
+from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
 from .memory import memory as memory_report
 from .sizes import fmt_bytes
 from .consistency import fingerprint
@@ -266,6 +266,7 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
                        constraints=recorded)
         if report is not None and req.budget is not None:  # the planner keeps the values within what is left
             ctx.activation_room = req.budget - req.margin - (report.footprint - report.activation_peak)
+            ctx.solve_within = solve_within
     ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}

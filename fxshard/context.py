@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -40,6 +40,9 @@ class ShardContext:
     planner: str = "greedy"
     bucket_mb: Optional[float] = None
     activation_room: Optional[int] = None
+    # auto-sharding's planner under ``activation_room`` (``auto.solve_within``; given by the caller so the
+    # solve pass does not import auto, which imports it)
+    solve_within: Optional[Callable] = None
 
 
 def runtime_device(ctx: ShardContext) -> torch.device:

@@ -390,7 +390,8 @@ def joint_context(traced: Traced, ctx: ShardContext, joint: Joint, bucket_mb: Op
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     joint_ph = [n for n in joint.gm.graph.nodes if n.op == "placeholder"]
     jctx = ShardContext(mesh=ctx.mesh, label="training", constraints=dict(ctx.constraints), planner=ctx.planner,
-                        bucket_mb=bucket_mb, activation_room=ctx.activation_room)
+                        bucket_mb=bucket_mb, activation_room=ctx.activation_room,
+                        solve_within=ctx.solve_within)
     for f, j in zip(fwd_ph, joint_ph):
         if f in ctx.seeds:
             jctx.seeds[j] = ctx.seeds[f]

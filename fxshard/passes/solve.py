@@ -147,8 +147,8 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         return gm
     problem = build_problem(gm, ctx)
     if ctx.activation_room is not None:  # auto-sharding's memory budget (fxshard/auto.py); its rows index
-        from ..auto import solve_within  # every node's own columns, so its problem is not clustered
-        picks = solve_within(gm, ctx, problem, _legality(gm, problem))
+        # every node's own columns, so its problem is not clustered
+        picks = ctx.solve_within(gm, ctx, problem, _legality(gm, problem))
     else:
         t0 = time.perf_counter()
         if greedy_is_optimal(problem):  # what solve_problem would return, without importing scipy or a MILP
