@@ -39,7 +39,7 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
-from .consistency import agree
+from .consistency import on_lead
 from .passes.joint import joint_context, trace_joint
 from .passes.propagate import propagate
 from .passes.trace import Traced
@@ -307,15 +307,17 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         m.row(terms, -fixed_bytes * scale, -fixed_bytes * scale)  # total = every parameter's state, scaled
         acts.rows(m, x, total, scale, 1.0, room * SMALL)
 
-    try:
-        picks = solve_problem(problem, rounds=ROUNDS, extend=None if room is None else extend, gap=GAP,
-                              time_limit=TIME_LIMIT, patient=True, admissible=lambda p: room is None
-                              or state(p) + acts.peak(layouts(problem, p)) <= room)
-    except ShardingError as e:
-        if room is None or "found no plan" not in str(e):
-            raise
-        raise no_fit(f" (the solver found none within {TIME_LIMIT:.0f} s or proved there is none)") from e
-    picks = agree(picks, ctx.mesh)
+    def plan() -> dict[str, tuple[int, ...]]:
+        try:
+            return solve_problem(problem, rounds=ROUNDS, extend=None if room is None else extend, gap=GAP,
+                                 time_limit=TIME_LIMIT, patient=True, admissible=lambda p: room is None
+                                 or state(p) + acts.peak(layouts(problem, p)) <= room)
+        except ShardingError as e:
+            if room is None or "found no plan" not in str(e):
+                raise
+            raise no_fit(f" (the solver found none within {TIME_LIMIT:.0f} s or proved there is none)") from e
+
+    picks = on_lead(plan, ctx.mesh, "auto-sharding's solve")
     chosen = {name: layout(name, picks) for name in free}
     total = plan_cost(problem, picks)
     act = acts.peak(layouts(problem, picks))
@@ -349,14 +351,16 @@ def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal) -> dic
     def extend(m, x) -> None:
         acts.rows(m, x, m.var(0.0, False, 0.0, 0.0), 1.0 / max(room, 1), 1.0, max(room, 1) * SMALL)
 
-    try:
-        picks = solve_problem(problem, illegal, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
-                              admissible=lambda p: acts.peak(layouts(problem, p)) <= room)
-    except ShardingError as e:
-        if "found no plan" not in str(e):
-            raise
-        picks = solve_problem(problem, illegal, gap=GAP, time_limit=TIME_LIMIT)
-    return agree(picks, ctx.mesh)
+    def plan() -> dict[str, tuple[int, ...]]:
+        try:
+            return solve_problem(problem, illegal, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
+                                 admissible=lambda p: acts.peak(layouts(problem, p)) <= room)
+        except ShardingError as e:
+            if "found no plan" not in str(e):
+                raise
+            return solve_problem(problem, illegal, gap=GAP, time_limit=TIME_LIMIT)
+
+    return on_lead(plan, ctx.mesh, "the global planner within auto-sharding's budget")
 
 
 def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[Pl, ...]], wants_grad: list[bool],

@@ -7,7 +7,7 @@ shard and all of them raise the same readable error on any difference.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from .errors import ShardingError
 if TYPE_CHECKING:
     from .mesh import MeshInfo
 
-__all__ = ["fingerprint", "check_same_on_all_ranks"]
+__all__ = ["fingerprint", "check_same_on_all_ranks", "agree", "on_lead"]
 
 
 def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inputs: tuple) -> dict[str, str]:
@@ -93,6 +93,28 @@ def agree(value: Any, mesh: "MeshInfo") -> Any:
         guard_collective(lambda: dist.broadcast_object_list(box, group=group, group_src=0),
                          "agreeing on the auto plan")
         value = box[0]
+    return value
+
+
+def on_lead(fn: Callable[[], Any], mesh: "MeshInfo", what: str) -> Any:
+    """``fn()`` computed once, by the rank at mesh coordinate 0 on every axis, and its result handed to every
+    rank of ``mesh`` (``agree``), so the other ranks neither spend CPU on it nor can differ. A ShardingError
+    it raises is raised on every rank; any other exception is raised on the lead and named in a ShardingError
+    on the others. On one process or the fake process group: ``fn()``."""
+    if not _communicates():
+        return fn()
+    out: Any = None
+    if all(c == 0 for c in mesh.coords):
+        try:
+            out = ("ok", fn())
+        except ShardingError as e:
+            out = ("error", str(e))
+        except Exception as e:  # the other ranks wait for a result: tell them before raising
+            agree(("error", f"{what} failed on rank {mesh.rank}: {type(e).__name__}: {e}"), mesh)
+            raise
+    kind, value = agree(out, mesh)
+    if kind == "error":
+        raise ShardingError(value)
     return value
 
 

@@ -34,7 +34,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..clusters import node_classes
-from ..consistency import check_same_on_all_ranks
+from ..consistency import check_same_on_all_ranks, on_lead
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
 from ..cost import UNIFORM, Link, transition_cost
@@ -161,7 +161,8 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         else:
             if os.environ.get("FXSHARD_CLUSTER", "1") != "0":
                 problem.shared = cluster(gm, problem)
-            picks = solve_problem(problem, _legality(gm, problem))
+            # one rank solves (the others would repeat the same deterministic MILP on the same CPUs)
+            picks = on_lead(lambda: solve_problem(problem, _legality(gm, problem)), ctx.mesh, "the global planner")
         check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()},
                                 ctx.mesh)
     apply(gm, ctx, problem, picks)
