@@ -13,6 +13,8 @@ import torch
 import fxshard
 from fxshard import P, ShardingError
 from fxshard.auto import parse_budget
+from fxshard.consistency import on_lead
+from fxshard.mesh import MeshInfo
 from fxshard.placements import R, S
 from tests import models
 from tests.dist_utils import run_ranks
@@ -132,6 +134,14 @@ def _train_auto(rank: int, world: int) -> dict:
     """Auto-chosen plans (seed 004 under a budget below its head; a small Llama under a budget below its
     replicated footprint): loss and full gradients against the unsharded model."""
     mesh = fxshard.init_mesh(dp=world)
+    # one rank computes, every rank gets its result (or its ShardingError): how the planners solve
+    info = MeshInfo.of(mesh)
+    lead_value = on_lead(lambda: rank + 10, info, "a test")
+    try:
+        on_lead(lambda: (_ for _ in ()).throw(ShardingError("no plan fits")), info, "a test")
+        lead_error = None
+    except ShardingError as e:
+        lead_error = str(e)
     cases = []
     head, hb = _head()
     hsm = fxshard.shard(copy.deepcopy(head), mesh, {}, example_inputs=hb, in_specs=(P("dp"), P("dp")), auto=True,
@@ -154,11 +164,13 @@ def _train_auto(rank: int, world: int) -> dict:
                      "grad_err": max((grads[n] - ref.get_parameter(n).grad).abs().max().item() for n in grads),
                      "n_grads": len(grads), "placements": dict(shd._placements),
                      "chosen": [c.fqn for c in shd.sharding.auto.chosen]}
+    out["on_lead"] = {"value": lead_value, "error": lead_error}
     return out
 
 
 def test_auto_plans_train_like_unsharded():
     for res in run_ranks(_train_auto, 2, timeout=600):
+        assert res.pop("on_lead") == {"value": 10, "error": "no plan fits"}  # rank 0's result, on every rank
         for name, r in res.items():
             assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] > 0, (name, r)
         assert res["seed004"]["placements"]["linear.weight"] == (S(0),)
