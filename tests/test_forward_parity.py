@@ -48,7 +48,9 @@ def _transformer(rank: int, world: int, n_layers: int) -> dict:
     model = models.Transformer(vocab=64, dim=32, n_heads=4, n_layers=n_layers, max_seq=16, tie=True)
     tokens = models.make_tokens(2, 16, 64, seed=3)
     ref = model(tokens)
-    sm = fxshard.shard(model, mesh, transformer_plan(n_layers), example_inputs=(tokens,))
+    # the greedy sweep's Megatron pattern (at this width the default global planner gathers the 4 KiB tied
+    # table once instead: cheaper under its latency price, docs/solver_design.md "Small tensors")
+    sm = fxshard.shard(model, mesh, transformer_plan(n_layers), example_inputs=(tokens,), planner="greedy")
     out = sm(tokens)
     return {"err": (out - ref).abs().max().item(), "stats": fxshard.comm_stats(sm),
             "wq": tuple(sm.get_parameter("layers.0.attn.wq.weight").shape), "tied": sm.output.weight is sm.tok_emb.weight}

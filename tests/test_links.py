@@ -3,7 +3,6 @@ planners price a collective on a slow axis higher and move their bytes on the fa
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -52,6 +51,28 @@ def test_axes_spanning_nodes_are_found_from_torchrun_local_world_size(fake_mesh,
     assert crosses_nodes(mesh) == (False, False)
 
 
+def test_both_planners_price_each_step_on_its_axis_link(fake_mesh, monkeypatch):
+    """shard() hands the links to the planners (``MeshInfo.links``): the global planner's price of a layout
+    change and the greedy sweep's per-axis price both scale with the axis's link, and torchrun's node layout
+    sets the default."""
+    from fxshard.cost import axis_link, linked_mesh_info
+    from fxshard.passes.solve import price
+
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # dp spans nodes
+    info = linked_mesh_info(mesh)
+    assert info.links == links(("dp", "tp"), crosses_nodes=(True, False))
+    gather_dp, gather_tp = ((S(0), R), (R, R)), ((R, S(0)), (R, R))
+    ratio = INTRA_NODE / INTER_NODE
+    assert price(*gather_dp, 2**20, (2, 2), info.links) == pytest.approx(ratio * price(*gather_dp, 2**20, (2, 2)))
+    assert price(*gather_tp, 2**20, (2, 2), info.links) == price(*gather_tp, 2**20, (2, 2))
+    assert transition_cost(S(0), R, 2**20, 2, axis_link(info, 0)) == pytest.approx(
+        ratio * transition_cost(S(0), R, 2**20, 2, axis_link(info, 1)))
+    sm = fxshard.shard(_MLP(), mesh, {}, example_inputs=(torch.randn(16, 64),), in_specs=P("dp"),
+                       bandwidth={"dp": 1e9}, progress=False)
+    assert sm._info.links == links(("dp", "tp"), {"dp": 1e9}, crosses_nodes=(True, False))
+
+
 class _MLP(torch.nn.Module):
     def __init__(self, d: int = 64, h: int = 512):
         super().__init__()
@@ -60,31 +81,3 @@ class _MLP(torch.nn.Module):
 
     def forward(self, x):
         return self.down(torch.relu(self.up(x))).sum()
-
-
-def _split_axes(sm) -> set[int]:
-    return {a for pls in sm._placements.values() for a, p in enumerate(pls) if p != R}
-
-
-def test_the_plan_moves_its_bytes_on_the_fast_axis(fake_mesh, monkeypatch):
-    """Auto-sharding a 2x2 mesh within a budget that forces a split: with ``tp`` the slow link the weights are
-    split on ``dp`` only, and the other way round; equal bandwidths are the
-    default plan on one node, and ``dp`` spanning nodes (torchrun's layout) makes it the slow axis by default."""
-    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
-    torch.manual_seed(0)
-    model, x = _MLP(), torch.randn(16, 64)
-    budget = int(sum(p.numel() for p in model.parameters()) * 16 * 0.6)
-
-    def plan(**kw):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the activation estimate warning is not what is tested here
-            return fxshard.shard(model, mesh, {}, example_inputs=(x,), in_specs=P("dp"), auto=True,
-                                 memory_budget=budget, progress=False, **kw)
-
-    slow_tp = plan(bandwidth={"dp": 1e12, "tp": 1e9})
-    slow_dp = plan(bandwidth={"dp": 1e9, "tp": 1e12})
-    assert _split_axes(slow_tp) == {0} and _split_axes(slow_dp) == {1}
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert plan(bandwidth={"dp": 5e10, "tp": 5e10})._placements == plan()._placements
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # dp spans nodes: the default makes it the slow axis
-    assert plan()._placements == slow_dp._placements
