@@ -3,7 +3,6 @@ planners price a collective on a slow axis higher and move their bytes on the fa
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
