@@ -239,7 +239,8 @@ def test_last_dim_gather_and_reduce_scatter_copy_once(mesh2, plan, kind):
 
 def test_redistribute_transformer_two_all_reduces_per_layer(mesh2):
     n_layers = 2
-    sm = shard_checked(transformer(n_layers), mesh2, transformer_plan(n_layers), (models.make_tokens(2, 16, 64),))
+    sm = shard_checked(transformer(n_layers), mesh2, transformer_plan(n_layers), (models.make_tokens(2, 16, 64),),
+                       planner="greedy")  # the greedy sweep's Megatron pattern (the solver's differs at toy widths)
     # Megatron's 2 per layer, plus the vocab-split embedding's partial sum; logits gathered once for the output
     assert forward_comms(sm) == {"all_reduce": 2 * n_layers + 1, "all_gather": 1}
     reasons = [c["op"] for c in fxshard.inspect.collectives(sm._programs()[0])]
@@ -346,7 +347,7 @@ def test_plan_64_ranks_in_one_process(fake_mesh):
     mesh = fake_mesh(64, rank=rank)
     n_layers, dim, vocab = 2, 128, 128
     model = transformer(n_layers, vocab=vocab, dim=dim, n_heads=64)
-    sm = shard_checked(model, mesh, transformer_plan(n_layers), (models.make_tokens(2, 16, vocab),))
+    sm = shard_checked(model, mesh, transformer_plan(n_layers), (models.make_tokens(2, 16, vocab),), planner="greedy")
     shapes = {n: tuple(p.shape) for n, p in sm.named_parameters()}
     for i in range(n_layers):
         for w in "qkv":

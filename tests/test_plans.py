@@ -94,9 +94,10 @@ def test_torch_test_transformer_sequence_parallel(seq):
         fwd, bwd = res["stats"]["forward"], res["stats"]["backward"]
         # Megatron-SP: each layer's all_reduce becomes reduce_scatter + all_gather, both directions
         assert "all_reduce" not in fwd
-        assert fwd["reduce_scatter"]["count"] == 2 * 2  # the embedding runs replicated on the gathered table
-        # + the head's input and the two small tables (gathered, see above)
-        assert fwd["all_gather"]["count"] == 2 * 2 + 3
+        # + the vocab-split embedding's partial output, reduce-scattered to the sequence split (Megatron-SP)
+        assert fwd["reduce_scatter"]["count"] == 2 * 2 + 1
+        # + the head's input and the small positional table (gathered once)
+        assert fwd["all_gather"]["count"] == 2 * 2 + 2
         assert bwd["reduce_scatter"]["count"] == 2 * 2 and bwd["all_gather"]["count"] == 2 * 2 + 2
         # the only backward all_reduces are the replicated norm weights' gradients (tiny), as in Megatron-SP,
         # all 2 * (2 * 2 + 1) of them in one gradient bucket (bucket_mb, default 25 MiB)
