@@ -110,6 +110,20 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
             cur[a] = d
             continue
         n = sizes[a]
+        if isinstance(d, S) and d.outer == 1:
+            # a dim split on an inner axis is split mesh-major only if the outer axis cuts it first: gather
+            # the inner split (re-sliced below, after this axis's split) rather than cut the inner piece
+            for b in range(a + 1, len(cur)):
+                q = cur[b]
+                if isinstance(q, S) and q.dim == d.dim and q.outer == 1 and sizes[b] > 1:
+                    lb = tuple(local_shape(shape, cur, sizes, coords))
+                    after = [R if i == b else p for i, p in enumerate(cur)]
+                    gsize = local_shape(shape, after, sizes, coords)[q.dim]
+                    piece = ceil_div(int(gsize), sizes[b]) if is_uneven(gsize, sizes[b]) else lb[q.dim]
+                    add("all_gather", b, q, R, lb,
+                        hint(prod([piece if i == q.dim else x for i, x in enumerate(lb)])) * itemsize * sizes[b],
+                        gsize)
+                    cur[b] = R
         lshape = tuple(local_shape(shape, cur, sizes, coords))
         if isinstance(s, Part):
             if isinstance(d, S) and s.op == "sum":

@@ -150,23 +150,29 @@ def solve(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         # every node's own columns, so its problem is not clustered
         picks = ctx.solve_within(gm, ctx, problem, _legality(gm, problem))
     else:
-        t0 = time.perf_counter()
-        if greedy_is_optimal(problem):  # what solve_problem would return, without importing scipy or a MILP
-            picks = {name: nv.greedy for name, nv in problem.nodes.items()}
-            cost = plan_cost(problem, picks) * UNIT
-            stats = {"nodes": len(picks), "binaries": 0, "variables": 0, "rows": 0, "rounds": 0,
-                     "seconds": time.perf_counter() - t0, "cost": cost, "greedy_cost": cost, "certified": True}
-            LOG.info("global plan: %(nodes)d nodes, the greedy plan is provably optimal (no MILP, %(seconds).2f s); "
-                     "cost %(cost).4g", stats, extra={"fxshard_solve": stats})
-        else:
-            if os.environ.get("FXSHARD_CLUSTER", "1") != "0":
-                problem.shared = cluster(gm, problem)
-            # one rank solves (the others would repeat the same deterministic MILP on the same CPUs)
-            picks = on_lead(lambda: solve_problem(problem, _legality(gm, problem)), ctx.mesh, "the global planner")
+        # one rank plans (the others would repeat the same MILP on the same CPUs; and with uneven splits
+        # each rank prices its own local pieces, so ranks could even decide differently)
+        picks = on_lead(lambda: _plan(gm, problem), ctx.mesh, "the global planner")
         check_same_on_all_ranks({"global plan": hashlib.sha256(repr(sorted(picks.items())).encode()).hexdigest()},
                                 ctx.mesh)
     apply(gm, ctx, problem, picks)
     return gm
+
+
+def _plan(gm: fx.GraphModule, problem: Problem) -> dict[str, tuple[int, ...]]:
+    """The greedy plan when ``greedy_is_optimal`` proves it, else the MILP's (identical layers clustered)."""
+    t0 = time.perf_counter()
+    if greedy_is_optimal(problem):  # what solve_problem would return, without importing scipy or a MILP
+        picks = {name: nv.greedy for name, nv in problem.nodes.items()}
+        cost = plan_cost(problem, picks) * UNIT
+        stats = {"nodes": len(picks), "binaries": 0, "variables": 0, "rows": 0, "rounds": 0,
+                 "seconds": time.perf_counter() - t0, "cost": cost, "greedy_cost": cost, "certified": True}
+        LOG.info("global plan: %(nodes)d nodes, the greedy plan is provably optimal (no MILP, %(seconds).2f s); "
+                 "cost %(cost).4g", stats, extra={"fxshard_solve": stats})
+        return picks
+    if os.environ.get("FXSHARD_CLUSTER", "1") != "0":
+        problem.shared = cluster(gm, problem)
+    return solve_problem(problem, _legality(gm, problem))
 
 
 # ----------------------------------------------------------------------------------------- problem
