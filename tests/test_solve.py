@@ -188,8 +188,10 @@ def _train_clustered(rank: int, world: int) -> dict:
 
 
 def test_clustered_global_plan_trains_like_unsharded():
-    for r in run_ranks(_train_clustered, 2, timeout=600):
-        assert r["shared"] and min(r["shared"]) > 0, r  # both programs solved with shared variables
+    results = run_ranks(_train_clustered, 2, timeout=600)
+    # rank 0 solved both programs with shared variables (the other rank receives its plans: consistency.on_lead)
+    assert results[0]["shared"] and min(results[0]["shared"]) > 0, results[0]
+    for r in results:
         assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] == 4 * 9 + 3, r
 
 
