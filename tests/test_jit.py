@@ -224,8 +224,10 @@ def test_transformer_sgd_and_adamw_steps_match_unsharded():
             assert r["loss_err"] <= TOL and r["state_err"] <= TOL, (opt, r)
             assert r["inputs_moved"] == [], (opt, r)
             # the greedy sweep, on ties, keeps the replicated positional table's gradient row-split (the
-            # vocab-parallel rows are the embedding rule's first strategy) and gathers its 2 KiB update once
-            assert r["kinds"] == ["all_reduce"] or r["stats"]["forward"]["all_gather"] == {"count": 1, "bytes": 2048}, r
+            # vocab-parallel rows are the embedding rule's first strategy) and gathers its 2 KiB update (and
+            # AdamW's two 2 KiB states) once each
+            ag = r["stats"]["forward"].get("all_gather", {"count": 0, "bytes": 0})
+            assert ag["count"] <= (1 if opt == "sgd" else 3) and ag["bytes"] == 2048 * ag["count"], r
             # Megatron: 2 per layer forward and 2 backward; the vocab-sharded embedding's partial sum, the head's
             # input gradient; loss parallel: max, sum-exp and the loss forward, one sum in the softmax backward
             ar = r["stats"]["forward"]["all_reduce"]
