@@ -237,17 +237,18 @@ class _Activations:
             m.row(terms, -float("inf"), room - scale * sum(const[k] for k in keys if k in const))
 
     def _least(self, key) -> float:
-        nv = self.problem.nodes.get(key[0])
-        if nv is None:
-            return self.local(key, self.problem.fixed.get(key, self.problem.greedy[key]))
-        return self.local(key, tuple(S(0) if any(isinstance(c.outputs[key[1]], S) for c in axis) else R
-                                     for axis in nv.axes))
+        return self._bound(key, any)
 
     def _most(self, key) -> float:
+        return self._bound(key, all)
+
+    def _bound(self, key, split_if) -> float:
+        """Local bytes of value ``key`` split on each axis where ``split_if`` (any/all) of its producer's
+        choices split it: the smallest (``any``) or largest (``all``) it can be; a fixed value's own."""
         nv = self.problem.nodes.get(key[0])
         if nv is None:
             return self.local(key, self.problem.fixed.get(key, self.problem.greedy[key]))
-        return self.local(key, tuple(S(0) if all(isinstance(c.outputs[key[1]], S) for c in axis) else R
+        return self.local(key, tuple(S(0) if split_if(isinstance(c.outputs[key[1]], S) for c in axis) else R
                                      for axis in nv.axes))
 
 

@@ -104,6 +104,15 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
         s, d = (local_outer([p if i == a else q for i, q in enumerate(cur)], sizes, a) for p in (s, d))
         steps.append(Step(kind, a, s, d, lshape, size, gsize))
 
+    def gather(a: int, s: S) -> None:  # all_gather the split ``s`` on axis ``a`` (padded pieces when uneven)
+        lshape = tuple(local_shape(shape, cur, sizes, coords))
+        after = [R if i == a else q for i, q in enumerate(cur)]
+        gsize = local_shape(shape, after, sizes, coords)[s.dim]
+        piece = ceil_div(int(gsize), sizes[a]) if is_uneven(gsize, sizes[a]) else lshape[s.dim]
+        nbytes = hint(prod([piece if i == s.dim else x for i, x in enumerate(lshape)])) * itemsize * sizes[a]
+        add("all_gather", a, s, R, lshape, nbytes, gsize)
+        cur[a] = R
+
     for a in reversed(range(len(cur))):
         s, d = cur[a], dst[a]
         if s == d or sizes[a] == 1:  # on a one-rank axis every layout holds the same data
@@ -116,14 +125,7 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
             for b in range(a + 1, len(cur)):
                 q = cur[b]
                 if isinstance(q, S) and q.dim == d.dim and q.outer == 1 and sizes[b] > 1:
-                    lb = tuple(local_shape(shape, cur, sizes, coords))
-                    after = [R if i == b else p for i, p in enumerate(cur)]
-                    gsize = local_shape(shape, after, sizes, coords)[q.dim]
-                    piece = ceil_div(int(gsize), sizes[b]) if is_uneven(gsize, sizes[b]) else lb[q.dim]
-                    add("all_gather", b, q, R, lb,
-                        hint(prod([piece if i == q.dim else x for i, x in enumerate(lb)])) * itemsize * sizes[b],
-                        gsize)
-                    cur[b] = R
+                    gather(b, q)
         lshape = tuple(local_shape(shape, cur, sizes, coords))
         if isinstance(s, Part):
             if isinstance(d, S) and s.op == "sum":
@@ -136,11 +138,7 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
             cur[a] = d
             continue
         elif isinstance(s, S):
-            after = [R if i == a else q for i, q in enumerate(cur)]
-            gsize = local_shape(shape, after, sizes, coords)[s.dim]
-            piece = ceil_div(int(gsize), n) if is_uneven(gsize, n) else lshape[s.dim]
-            nbytes = hint(prod([piece if i == s.dim else x for i, x in enumerate(lshape)])) * itemsize * n
-            add("all_gather", a, s, R, lshape, nbytes, gsize)
+            gather(a, s)
         cur[a] = R
     for a in range(len(cur)):
         s, d = cur[a], dst[a]
