@@ -5,9 +5,12 @@
 ``cost.transition_cost`` prices them, so the bytes propagation weighs are the bytes of the
 collectives the program gets (``tests/test_transition.py`` checks that on a table of layouts).
 
-Order: reductions, gathers and moves between dims run innermost mesh axis first (so a dim
-split over several axes reassembles in order); local slices and R->Partial follow. Moving a
-split between dims on one axis is one all_to_all when the sizes are static and even.
+Order: reductions, gathers and moves between dims run innermost mesh axis first; local slices
+(outermost first) and R->Partial follow. A dim split over several axes holds mesh-major pieces
+(rank ``(i, j)`` of a 2x2 mesh has piece ``2i + j``), so an axis gains or loses its split of a dim
+only while no inner axis splits that dim: such inner splits are gathered first and sliced again
+afterwards (``tests/test_transition.py`` runs every 2x2 change on 4 ranks). Moving a split between
+dims on one axis is one all_to_all when the sizes are static and even.
 """
 
 from __future__ import annotations

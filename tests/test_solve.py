@@ -276,3 +276,33 @@ def test_the_milp_runs_where_it_improves_the_greedy_plan(fake_mesh):
     assert not greedy_is_optimal(training)
     greedy, solved = _greedy_and_solved(training)
     assert solved < greedy / 2, (solved, greedy)
+
+
+class _Cat(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b, c]) * 2
+
+
+def test_every_candidate_splits_legally_on_its_axis(mesh2):
+    """A regression test: three [5] inputs split unevenly over 2 ranks and concatenated. The cat rule offers a
+    packed split of the [15] result that does not divide (legal only for even pieces); the solver took it on a
+    1-D mesh, where only pairs of axes were checked, and the ranks' pieces then differed in size (a gloo size
+    mismatch in the OpInfo sweep). Every candidate the solver keeps must split legally on its own axis."""
+    from fxshard.passes.solve import _legal
+
+    seen = []
+
+    def capture(gm, ctx):
+        problem = build_problem(gm, ctx)
+        nodes = {n.name: n for n in gm.graph.nodes}
+        seen.extend((nodes[name], a, ch.strategy) for name, nv in problem.nodes.items()
+                    for a, axis in enumerate(nv.axes) for ch in axis if ch.strategy is not None)
+        return solve(gm, ctx)
+
+    pipe = Pipeline(tuple(dataclasses.replace(p, fn=capture) if p.name == "solve" else p for p in DEFAULT.passes))
+    xs = tuple(torch.randn(5) for _ in range(3))
+    fxshard.shard(_Cat(), mesh2, {}, example_inputs=xs, in_specs=(P("tp"),) * 3, pipeline=pipe,
+                       planner="global")
+    cats = [(n, st) for n, a, st in seen if n.target is torch.ops.aten.cat.default]
+    assert cats and all(_legal(n, {a: st}, (2,)) for n, a, st in seen)
+    assert not any(st.output == S(0, 3) for _, st in cats), cats

@@ -188,7 +188,7 @@ def _value_of(x: fx.Node) -> ValueKey:
 def _axis_choices(node: fx.Node, problem: Problem, a: int) -> list[AxisChoice]:
     """The rule's strategies on axis ``a`` for the input placements the greedy sweep saw and for every
     placement each input's producer may give (rules offer strided splits only to strided inputs),
-    pruned by :func:`_worth`; the greedy strategy first."""
+    pruned by :func:`_worth` and to splits that are legal on this axis; the greedy strategy first."""
     ins = tensor_inputs(node)
     in_specs = [x.meta[META_KEY] for x in ins]
     offered = [list(problem.outputs_of(_value_of(x), a)) for x in ins]
@@ -206,8 +206,10 @@ def _axis_choices(node: fx.Node, problem: Problem, a: int) -> list[AxisChoice]:
         for st in cands:
             found.setdefault((st.inputs, st.output), st)
     n_out = len(node.meta[META_KEY]) if isinstance(node.meta[META_KEY], tuple) else 1
+    # a rule may offer splits that do not divide (checked, as in propagation, on this axis alone here and
+    # pairwise across axes by the caller): uneven pieces of such a split differ in size between ranks
     return [AxisChoice(st.inputs, _outputs(st, n_out, node), st) for st in found.values()
-            if st is greedy or _worth(st, offered)]
+            if st is greedy or (_worth(st, offered) and _legal(node, {a: st}, problem.sizes))]
 
 
 def _outputs(st: Strategy, n_out: int, node: fx.Node) -> tuple[Optional[Pl], ...]:
