@@ -136,7 +136,7 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
         # of a dim once no inner axis splits that dim, so such inner splits are gathered first (and re-sliced
         # below, after this axis's split)
         for k in {p.dim for p in (s, d) if isinstance(p, S) and p.outer == 1}:
-            for b in range(a + 1, len(cur)):
+            for b in reversed(range(a + 1, len(cur))):  # innermost first
                 if plain(cur[b], k) and sizes[b] > 1:
                     gather(b, cur[b])
         lshape = tuple(local_shape(shape, cur, sizes, coords))

@@ -189,3 +189,24 @@ def test_ranks_of_one_group_plan_the_same_collectives():
                     seqs = {str([(s.kind, s.nbytes) for s in plans[c] if s.is_collective and s.axis == a])
                             for c in plans if c[1 - a] == fixed}
                     assert len(seqs) == 1, (shape, src, dst, a, seqs)
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (16, 4)])
+def test_no_step_cuts_a_dim_an_inner_axis_splits_on_three_axes(shape):
+    """Every change between layouts of R, S(0), S(1), P(sum) per axis on a 2x2x2 mesh: walking the planned
+    steps, no step on an axis gathers, scatters or slices a dim while an inner axis splits that dim (that
+    would mix mesh-major and inner-major pieces), and the walk ends at the target layout. (The 2x2 test
+    above runs the steps on real ranks; this checks the order the planner keeps on three axes.)"""
+    sizes, mesh = (2, 2, 2), _mesh((2, 2, 2), (1, 0, 1))
+    moves = ("all_gather", "reduce_scatter", "all_to_all", "slice")
+    layouts = [p for p in itertools.product([R, S(0), S(1), Part("sum")], repeat=3) if split_ok(shape, p, sizes)]
+    for src, dst in itertools.product(layouts, repeat=2):
+        cur = list(src)
+        for st in plan_transition(src, dst, shape, mesh, torch.float32):
+            if st.kind in moves:
+                dims = {p.dim for p in (st.src, st.dst) if isinstance(p, S)}
+                inner = [b for b in range(st.axis + 1, 3) if isinstance(cur[b], S) and cur[b].dim in dims]
+                assert not inner, (src, dst, st, cur)
+            if st.kind != "cast":
+                cur[st.axis] = st.dst
+        assert tuple(cur) == dst, (src, dst, cur)
