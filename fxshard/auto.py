@@ -63,6 +63,9 @@ GAP = 0.001  # relative to the objective, which includes the (large) compute ter
 TIME_LIMIT = 60.0  # seconds; then the best plan found is taken, rank 0's on every rank
 ROUNDS = 6  # MILPs, each pricing a value's other mesh axes as the previous plan laid them out (solve.py); 3 left
 # the 8B MLP replicated (2.29x the hand plan's bytes), the 4th round finds Megatron (1.00x)
+PAIR_PARAMS = 2  # the largest free parameters tried in layouts that change two or more axes at once
+PAIR_ROUNDS = 2
+PAIR_TIME_LIMIT = 10.0  # seconds per MILP of a pinned trial (it only has to beat the plan in hand)
 SMALL = 1.0 / 4096  # values under this share of the budget count at their data-parallel size (no MILP column)
 RETRIES = 2  # plans again, with the budget tightened by the measured excess, when the result does not fit
 
@@ -312,11 +315,44 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         m.row(terms, -fixed_bytes * scale, -fixed_bytes * scale)  # total = every parameter's state, scaled
         acts.rows(m, x, total, scale, 1.0, room * SMALL)
 
+    def admissible(picks: dict) -> bool:
+        return room is None or state(picks) + acts.peak(layouts(problem, picks)) <= room
+
+    def pinned(name: str, lay: tuple[Pl, ...]):
+        def ext(m, x) -> None:
+            if room is not None:
+                extend(m, x)
+            for a, p in enumerate(lay):
+                m.row([(x[name][a][i], 1.0) for i, c in enumerate(problem.nodes[name].axes[a]) if c.outputs[0] == p],
+                      1.0, 1.0)
+        return ext
+
+    def pair_moves(picks: dict) -> dict:
+        """The rounds change a parameter one axis at a time, each priced with the other axes as the previous
+        plan laid them out, so a move that pays only when two axes change together (an embedding from
+        hidden-split over dp to vocab-split over tp) is never taken. For the largest parameters, each
+        layout differing on two or more axes is pinned and the rest planned again; a plan that costs less
+        (exactly, ``plan_cost``) and fits is kept."""
+        best = plan_cost(problem, picks)
+        for name in sorted(options, key=lambda n: -max(cost[n]))[:PAIR_PARAMS]:
+            for lay in options[name]:
+                if sum(p != q for p, q in zip(lay, layout(name, picks))) < 2:
+                    continue
+                try:
+                    trial = solve_problem(problem, rounds=PAIR_ROUNDS, extend=pinned(name, lay), gap=GAP,
+                                          time_limit=PAIR_TIME_LIMIT, patient=True, admissible=lambda p: False)
+                except ShardingError:  # nothing fits with this layout
+                    continue
+                c = plan_cost(problem, trial)
+                if c < best and admissible(trial):
+                    picks, best = trial, c
+        return picks
+
     def plan() -> dict[str, tuple[int, ...]]:
         try:
-            return solve_problem(problem, rounds=ROUNDS, extend=None if room is None else extend, gap=GAP,
-                                 time_limit=TIME_LIMIT, patient=True, admissible=lambda p: room is None
-                                 or state(p) + acts.peak(layouts(problem, p)) <= room)
+            picks = solve_problem(problem, rounds=ROUNDS, extend=None if room is None else extend, gap=GAP,
+                                  time_limit=TIME_LIMIT, patient=True, admissible=admissible)
+            return pair_moves(picks) if len(sizes) > 1 else picks
         except ShardingError as e:
             if room is None or "found no plan" not in str(e):
                 raise
