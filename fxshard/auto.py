@@ -24,6 +24,10 @@ result with ``fxshard.memory`` (``measure``) and, when it exceeds the budget, pl
 the budget less what the estimate missed (``next_margin``, up to ``RETRIES`` times), warning if
 the last result still does not fit. A budget no plan fits even at the smallest state and
 activation bounds, or for which the MILP finds no plan, is a ShardingError.
+
+The solver's rounds change each parameter one axis at a time (each round prices a value's other axes as
+the previous plan laid them out); *pair moves* then try the largest parameters in every layout that changes
+two or more axes at once, pinned, with the rest planned again (``PAIR_PARAMS``, docs/solver_design.md).
 """
 
 from __future__ import annotations
