@@ -122,9 +122,10 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
     def outer_fixed(a: int, k: int) -> bool:
         # splitting dim k on axis a in place (reduce_scatter, all_to_all) gives mesh-major pieces only if
         # every outer axis already cuts k as it will in the end (or never touches it)
-        return all(cur[b] == dst[b] if (isinstance(cur[b], S) and cur[b].dim == k)
-                   or (isinstance(dst[b], S) and dst[b].dim == k) else True
-                   for b in range(a) if sizes[b] > 1)
+        def cuts(p: Pl) -> bool:
+            return isinstance(p, S) and p.dim == k
+
+        return all(cur[b] == dst[b] for b in range(a) if sizes[b] > 1 and (cuts(cur[b]) or cuts(dst[b])))
 
     for a in reversed(range(len(cur))):
         s, d = cur[a], dst[a]

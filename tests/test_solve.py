@@ -195,6 +195,11 @@ def test_clustered_global_plan_trains_like_unsharded():
         assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] == 4 * 9 + 3, r
 
 
+def _solving_with(capture) -> Pipeline:
+    """The default pipeline with ``capture(gm, ctx)`` (which must call ``solve``) as its solve pass."""
+    return Pipeline(tuple(dataclasses.replace(p, fn=capture) if p.name == "solve" else p for p in DEFAULT.passes))
+
+
 def _solve_problems(model, mesh, plan, **kwargs) -> tuple[object, list]:
     """Shard with the global planner, keeping every program's planning problem (the solve pass's input)."""
     seen = []
@@ -203,8 +208,7 @@ def _solve_problems(model, mesh, plan, **kwargs) -> tuple[object, list]:
         seen.append(build_problem(gm, ctx))
         return solve(gm, ctx)
 
-    pipe = Pipeline(tuple(dataclasses.replace(p, fn=capture) if p.name == "solve" else p for p in DEFAULT.passes))
-    return fxshard.shard(model, mesh, plan, pipeline=pipe, planner="global", **kwargs), seen
+    return fxshard.shard(model, mesh, plan, pipeline=_solving_with(capture), planner="global", **kwargs), seen
 
 
 def _greedy_and_solved(problem) -> tuple[float, float]:
@@ -299,10 +303,9 @@ def test_every_candidate_splits_legally_on_its_axis(mesh2):
                     for a, axis in enumerate(nv.axes) for ch in axis if ch.strategy is not None)
         return solve(gm, ctx)
 
-    pipe = Pipeline(tuple(dataclasses.replace(p, fn=capture) if p.name == "solve" else p for p in DEFAULT.passes))
     xs = tuple(torch.randn(5) for _ in range(3))
-    fxshard.shard(_Cat(), mesh2, {}, example_inputs=xs, in_specs=(P("tp"),) * 3, pipeline=pipe,
-                       planner="global")
+    fxshard.shard(_Cat(), mesh2, {}, example_inputs=xs, in_specs=(P("tp"),) * 3, pipeline=_solving_with(capture),
+                  planner="global")
     cats = [(n, st) for n, a, st in seen if n.target is torch.ops.aten.cat.default]
     assert cats and all(_legal(n, {a: st}, (2,)) for n, a, st in seen)
     assert not any(st.output == S(0, 3) for _, st in cats), cats

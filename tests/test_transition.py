@@ -47,6 +47,16 @@ def _emitted(src: tuple, dst: tuple, shape: tuple, mesh: MeshInfo, dtype: torch.
     return [(n.meta[COMM_KEY]["kind"], n.meta[COMM_KEY]["bytes"]) for n in g.nodes if COMM_KEY in n.meta]
 
 
+def _redistributed(x: torch.Tensor, src: tuple, shape: tuple, dst: tuple, mesh: MeshInfo) -> torch.Tensor:
+    """Runs the nodes ``redistribute_nodes`` emits on ``x``, this rank's piece of ``shape`` laid out as ``src``."""
+    g = fx.Graph()
+    inp = g.placeholder("x")
+    inp.meta["val"] = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    out = g.output(None)
+    out.args = (redistribute_nodes(Emitter(g, out, {}), inp, Spec(src, shape, x.dtype), dst, mesh),)
+    return fx.GraphModule(torch.nn.Module(), g)(x)
+
+
 def _layouts(k: int, shape: tuple, sizes: tuple) -> list[tuple]:
     return [pls for pls in itertools.product(PLACEMENTS, repeat=k) if split_ok(shape, pls, sizes, uneven=True)]
 
@@ -102,15 +112,8 @@ def test_a_merged_dim_split_by_a_plain_and_a_strided_axis(order):
     assert not split_ok((B * H, D), (S(0), S(0, 2)), (4, 3))  # dp cuts inside the strided blocks
     x = torch.arange(B * H * D, dtype=torch.float32).view(B * H, D)
     for coords in itertools.product(*(range(n) for n in sizes)):
-        mesh = _mesh(sizes, coords)
         dp, tp = coords if order == "dp_major" else coords[::-1]
-        g = fx.Graph()
-        inp = g.placeholder("x")
-        inp.meta["val"] = torch.empty(B * H, D, device="meta")
-        out = g.output(None)
-        piece = redistribute_nodes(Emitter(g, out, {}), inp, Spec((R, R), (B * H, D), torch.float32), pls, mesh)
-        out.args = (piece,)
-        got = fx.GraphModule(torch.nn.Module(), g)(x)
+        got = _redistributed(x, (R, R), (B * H, D), pls, _mesh(sizes, coords))
         want = x.view(B, H, D)[dp * 2:(dp + 1) * 2, tp * 2:(tp + 1) * 2].reshape(-1, D)
         assert torch.equal(got, want), (order, coords)
         assert got.shape == local_shape((B * H, D), pls, sizes, coords)
@@ -148,13 +151,7 @@ def _every_2x2_change(rank: int, world: int, shapes: list) -> tuple[int, list]:
         for src, dst in itertools.product(_layouts(2, shape, info.sizes), repeat=2):
             if len({p.op for p in src if isinstance(p, Part)}) > 1:
                 continue  # a sum on one axis and a max on the other has no order-free meaning
-            g = fx.Graph()
-            x = g.placeholder("x")
-            piece = _src_piece(full, src, info)
-            x.meta["val"] = torch.empty(piece.shape, device="meta")
-            out = g.output(None)
-            out.args = (redistribute_nodes(Emitter(g, out, {}), x, Spec(src, shape, torch.float32), dst, info),)
-            got = fx.GraphModule(torch.nn.Module(), g)(piece)
+            got = _redistributed(_src_piece(full, src, info), src, shape, dst, info)
             for a, p in enumerate(dst):  # a Partial result: its reduction over the axis must be the value
                 if isinstance(p, Part):
                     got = got.clone()
