@@ -422,3 +422,60 @@ def test_cse_merges_equal_pure_nodes_in_place_keeping_the_first():
     g2.output((r1, r2))
     out2 = _cse(fx.GraphModule({}, g2))
     assert sum(n.target is aten.t.default for n in out2.graph.nodes) == 2
+
+
+class _Updates(nn.Module):
+    """A buffer updated in place (twice, read between), BatchNorm's running statistics, a no_grad region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        seen = self.steps * 2
+        self.steps.mul_(3)
+        with torch.no_grad():
+            scale = x.abs().amax()
+        return self.bn(self.lin(x)).softmax(-1) * scale + seen
+
+
+@pytest.mark.parametrize("case", ["updates", "transformer", "llama_loss", "conv_big_head_loss", "packed_moe"])
+def test_forward_decomposition_matches_export_run_decompositions(case):
+    """trace_forward re-traces torch.export's graph with make_fx (passes/trace.py::_decomposed) instead of
+    ``ExportedProgram.run_decompositions``: same ops, same placeholders, the buffers updated in place
+    returned first in the same order, as ``run_decompositions`` reports them."""
+    from collections import Counter
+
+    from torch.export.graph_signature import OutputKind
+
+    from fxshard.passes.trace import FUSED_FORWARD, _STOP, _decomposed, _mark_stop_gradients, decomposition_table
+    from tests.models import MODEL_CASES
+
+    if case == "updates":
+        model, args = _Updates(), (torch.randn(4, 6),)
+    else:
+        mc = next(c for c in MODEL_CASES if c.name == case)
+        model, args = mc.make_model(), mc.make_inputs()
+    ep = torch.export.export(model, args, strict=False)
+    _mark_stop_gradients(ep.graph_module)
+    table = decomposition_table(lambda t: _STOP(t))
+    ours, mutated = _decomposed(ep.graph_module, table)
+    # export's table lists every CompositeImplicitAutograd op (its graphs keep them); make_fx needs no entry
+    export_table = {**torch.export.default_decompositions(), **table}
+    for op in FUSED_FORWARD:
+        export_table.pop(op, None)
+    theirs = ep.run_decompositions(export_table)
+
+    def ops(g: fx.Graph) -> Counter:
+        g.eliminate_dead_code()
+        return Counter(str(n.target) for n in g.nodes if n.op == "call_function")
+
+    assert ops(ours.graph) == ops(theirs.graph), (ops(ours.graph) - ops(theirs.graph), ops(theirs.graph) - ops(ours.graph))
+    assert [n.name for n in ours.graph.nodes if n.op == "placeholder"] == \
+        [n.name for n in theirs.graph.nodes if n.op == "placeholder"]
+    names = [s.target for s in ep.graph_signature.input_specs]
+    assert [names[i] for i in mutated] == [s.target for s in theirs.graph_signature.output_specs
+                                          if s.kind == OutputKind.BUFFER_MUTATION]
+    assert (case == "updates") == bool(mutated)

@@ -38,16 +38,13 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._decomp import decomposition_table
 from torch.fx._lazy_graph_module import _make_graph_module
-from torch._dispatch.python import enable_python_dispatcher
 from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from ..context import ShardContext
 from ..errors import ShardingError
+from ..fake_trace import fake_inputs, fake_like, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
 from ..placements import R
 from ..registry import output_leaves
@@ -68,24 +65,8 @@ class Joint:
     n_out: int
 
 
-def _example(val: Any, mode: FakeTensorMode) -> Any:
-    """A fake tensor of ``mode`` like ``val`` (global shape, same device): nothing is allocated. A
-    data-dependent size (an unbacked symbol of the forward's trace, e.g. ``masked_select``'s) becomes a
-    fresh unbacked symbol of ``mode``: ``_tie_sizes`` equates it with the size the joint trace gives."""
-    if not isinstance(val, torch.Tensor):
-        return val
-    if not free_unbacked_symbols(val.shape):
-        with mode:
-            return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
-    env = mode.shape_env
-    with env.ignore_fresh_unbacked_symbols():  # an input's symbols: no op binds them
-        shape = [env.create_unbacked_symint() if free_unbacked_symbols(s) else s for s in val.shape]
-    with mode:
-        return torch.empty(shape, dtype=val.dtype, device=val.device)
-
-
 def _tie_sizes(out: torch.Tensor, tangent: torch.Tensor) -> None:
-    """Assert that the data-dependent sizes of ``tangent`` (``_example``) are ``out``'s, so autograd's
+    """Assert that the data-dependent sizes of ``tangent`` (``fake_like``) are ``out``'s, so autograd's
     shape check and every later size comparison see one value."""
     for a, b in zip(tangent.shape, out.shape):
         if free_unbacked_symbols(a):
@@ -149,40 +130,16 @@ def _restride(t: Any, like: Any) -> Any:
     return t.permute(order).contiguous().permute(back)
 
 
-def _name_placeholders(gm: fx.GraphModule, names: list[str]) -> fx.GraphModule:
-    """``gm`` rebuilt with its placeholders named ``names`` (the forward's: p_net1_weight, ...) and
-    plain positional inputs; other nodes keep their names unless one clashes (then they get a suffix)."""
-    g = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    old = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for ph, name in zip(old, names + [n.name for n in old[len(names):]]):
-        new = env[ph] = g.placeholder(name)
-        new.target = new.name  # the namespace may have suffixed a clashing name
-        new.meta = dict(ph.meta)
-    for n in gm.graph.nodes:
-        if n.op != "placeholder":
-            env[n] = g.node_copy(n, lambda a: env[a])
-    return _make_graph_module(gm, g)
-
-
 def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) -> Joint:
     """See module doc; ``wants_grad[i]`` says whether primal ``i`` gets a gradient."""
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
-    vals = [n.meta.get("val") for n in placeholders]
-    dynamic = any(isinstance(v, torch.Tensor) and any(not isinstance(s, int) for s in v.shape) for v in vals)
+    primals, mode, tracing_mode = fake_inputs([n.meta.get("val") for n in placeholders])
     out_node = next(n for n in fwd_gm.graph.nodes if n.op == "output")
     out_leaves = output_leaves(out_node)
     diff_out = [i for i, o in enumerate(out_leaves) if i >= len(traced.mutations) and isinstance(o, fx.Node)
                 and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].is_floating_point()]
     diff_in = [i for i, w in enumerate(wants_grad) if w]
-    if dynamic:  # trace on export's own fake tensors: their dynamic dims stay symbols of its ShapeEnv
-        mode = next(v.fake_mode for v in vals if isinstance(v, torch.Tensor))
-        primals = list(vals)
-    else:
-        # a ShapeEnv gives data-dependent sizes (masked_select, a boolean index's backward) symbols
-        mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
-        primals = [_example(v, mode) for v in vals]
-    tangents = [_example(out_leaves[i].meta["val"], mode) for i in diff_out]
+    tangents = [fake_like(out_leaves[i].meta["val"], mode) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
@@ -214,12 +171,10 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
             "if no gradient is needed there, compute it under torch.no_grad() or on .detach()-ed values; to shard "
             "for inference only, set requires_grad=False on the parameters and example inputs",
             where=lambda: (source_line(at()) or at().name) if at() is not None else None), \
-            quiet_unless_ok(), torch.enable_grad(), enable_python_dispatcher(), \
-            FunctionalTensorMode(_allow_token_discovery=True):
-        gm = make_fx(joint, tracing_mode="symbolic" if dynamic else "fake", decomposition_table=table)(
-            primals, tangents)
-    _reject_effect_tokens(gm)
-    gm = _name_placeholders(gm, [n.name for n in placeholders])
+            quiet_unless_ok(), torch.enable_grad():
+        gm = functional_make_fx(joint, (primals, tangents), tracing_mode, table)
+    reject_effect_tokens(gm, "the training graph", "gradients (torch.no_grad() or .detach())")
+    gm = named_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
             n.replace_all_uses_with(n.args[0])
@@ -229,20 +184,6 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
                                 f"please report this model")
     gm = _cse(gm)
     return Joint(gm, len(primals), diff_out, diff_in, n_out)
-
-
-def _reject_effect_tokens(gm: fx.GraphModule) -> None:
-    """Raise a ShardingError when the trace ordered an op with side effects by an effect token (a
-    ``with_effects`` node fed by an extra placeholder): fxshard's programs do not thread tokens."""
-    near = ""  # the user's line of the closest node before it that has one (the token op has none)
-    for n in gm.graph.nodes:
-        near = source_line(n) or near
-        if n.op == "call_function" and n.target is torch.ops.higher_order.with_effects:
-            raise ShardingError(
-                f"the training graph calls {n.args[1]}, an op with side effects (such as a linalg error check "
-                f"in a backward formula) that torch orders through an effect token, which fxshard does not "
-                f"thread through its programs [at {near or n.name}]; compute that part without "
-                f"gradients (torch.no_grad() or .detach()) or outside the sharded module") from None
 
 
 @dataclass

@@ -9,6 +9,9 @@ carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
 ``_softmax``/``_log_softmax`` are decomposed so a split softmax dim becomes
 Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused;
 shape assertions and no-op clones are dropped (the former refer to global sizes).
+Export's graph is decomposed by re-tracing it with ``make_fx`` over functional
+fake tensors (``_decomposed``: what ``run_decompositions`` gives, at half its
+cost); buffers the forward updates in place are its first outputs.
 Stop-gradients survive the decompositions: every value the model ``.detach()``-ed
 or computed under ``torch.no_grad()`` reaches its consumers through an
 ``aten.alias`` node flagged ``meta[STOP_KEY]`` (``trace_joint`` detaches there).
@@ -30,12 +33,15 @@ from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._decomp import decompositions as _decomps
-from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
+from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, has_metadata_mutation, to_fun
+from torch.export.graph_signature import ConstantArgument, InputKind
 from torch.utils import _pytree as pytree
 
 from ..constrain import constraint_scope, record
 from ..errors import ShardingError
+from ..fake_trace import fake_inputs, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import STOP_KEY, source_line
 from .simplify import drop_noop_clones
 
@@ -105,14 +111,17 @@ FUSED_BACKWARD = (
 
 
 def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
-    """torch.export's core-ATen table minus ``FUSED_FORWARD``, plus softmax decompositions.
+    """The core-ATen decompositions minus ``FUSED_FORWARD``, plus softmax decompositions, for ``make_fx``.
 
     Ensures: ``_softmax``/``_log_softmax`` decompose (loss parallel needs a split class dim to become
     Partial max/sum reductions), their row max through ``stop_gradient`` (``detach`` where the tracer
-    runs autograd itself, as make_fx does; export's graphs mark it with ``fxshard::stop_gradient``);
-    the ops in ``FUSED_FORWARD`` stay fused (they have rules).
+    runs autograd itself, as the joint trace does; the forward's graph marks it with
+    ``fxshard::stop_gradient``); the ops in ``FUSED_FORWARD`` stay fused (they have rules).
+    CompositeImplicitAutograd ops need no entry: below autograd, where ``make_fx`` traces, they run as
+    their composite kernels (``torch.export.default_decompositions()`` lists them all for export's
+    pre-dispatch graphs, and collecting them costs ~0.2 s per process).
     """
-    table = dict(_export_table(_cia_ops_key()))
+    table = dict(_core_table())
     for op in FUSED_FORWARD:
         table.pop(op, None)
     table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(stop_gradient)
@@ -124,17 +133,11 @@ def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
     return table
 
 
-def _cia_ops_key() -> frozenset:
-    """What export's default table depends on: the registered CompositeImplicitAutograd ops (a custom
-    op registered later adds its decomposition)."""
-    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd"))
+@functools.lru_cache(maxsize=None)
+def _core_table() -> dict:
+    from torch._decomp import _core_aten_decompositions_post_autograd
 
-
-@functools.lru_cache(maxsize=4)
-def _export_table(key: frozenset) -> dict:
-    """``torch.export.default_decompositions()`` materialized (a plain dict) for the ops ``key`` lists:
-    materializing walks every op namespace (~0.2 s), which ``run_decompositions`` would redo per call."""
-    return dict(torch.export.default_decompositions().items())
+    return _core_aten_decompositions_post_autograd()
 
 
 def _softmaxes(stop: Any) -> tuple[Any, Any]:
@@ -220,10 +223,7 @@ def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any
 
 @functools.lru_cache(maxsize=None)
 def _make_fx_table() -> dict:
-    from torch._decomp import core_aten_decompositions
-
-    table = dict(core_aten_decompositions())
-    table.update(decomposition_table().items())
+    table = decomposition_table()
     table[aten.scatter.value] = _scatter_value
     for op in FUSED_FORWARD + FUSED_BACKWARD:
         table.pop(op, None)
@@ -275,6 +275,40 @@ def _mark_stop_gradients(gm: fx.GraphModule) -> None:
                     stop.meta.update(out.meta)
                     out.replace_all_uses_with(stop, delete_user_cb=lambda u, stop=stop: u is not stop)
         mod.recompile()
+
+
+def _decomposed(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[int]]:
+    """``gm`` (an exported program's graph) re-traced by ``make_fx`` with ``table`` over functional fake
+    tensors, and the positions of the placeholders it updates in place: the graph
+    ``ExportedProgram.run_decompositions(table)`` gives (same placeholders and names, core ATen, nodes
+    keep their source lines; each updated placeholder's new value an output, in placeholder order,
+    before ``gm``'s outputs), at about half its cost (it traces the program twice and collects every
+    CompositeImplicitAutograd op per call)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    vals = [n.meta.get("val") for n in placeholders]
+    inputs, _, tracing_mode = fake_inputs(vals)
+    interp = fx.Interpreter(gm)
+    mutated: list[int] = []
+
+    def forward(*args: Any) -> tuple:
+        # the inputs that require grad do here too: some composites pick their kernel by it
+        # (embedding_bag's forward-only kernel has no backward)
+        funs = [to_fun(a).requires_grad_() if isinstance(a, torch.Tensor) and v.requires_grad else to_fun(a)
+                for a, v in zip(args, vals)]
+        with fx_traceback.preserve_node_meta():
+            outs = interp.run(*funs)
+        for i, f in enumerate(funs):
+            if isinstance(f, torch.Tensor) and has_metadata_mutation(f, args[i], check_only_storage_mutation=False):
+                raise ShardingError(f"forward changes the shape or strides of its input {placeholders[i].name!r} "
+                                    f"in place; compute a new tensor and return it instead")
+        mutated[:] = [i for i, f in enumerate(funs) if isinstance(f, torch.Tensor) and has_data_mutation(f)]
+        return tuple([from_fun(funs[i]) for i in mutated] + [from_fun(o) if isinstance(o, torch.Tensor) else o
+                                                             for o in outs])
+
+    with torch.enable_grad():
+        out = functional_make_fx(forward, inputs, tracing_mode, table)
+    reject_effect_tokens(out, "the forward", "the error check (the _ex variant: torch.linalg.inv_ex for inv)")
+    return named_placeholders(out, [n.name for n in placeholders]), mutated
 
 
 def _flag_stop_gradients(gm: fx.GraphModule) -> None:
@@ -492,9 +526,8 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
             ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                      strict=False)
         _mark_stop_gradients(ep.graph_module)
-        ep = ep.run_decompositions(decomposition_table(lambda t: _STOP(t)))
+        gm, mutated = _decomposed(ep.graph_module, decomposition_table(lambda t: _STOP(t)))
 
-    gm = ep.graph_module
     sig = ep.graph_signature
     by_id: dict[int, list[str]] = {}
     tensor_of: dict[str, torch.Tensor] = {}
@@ -540,12 +573,15 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         keep.append(node)
 
     mutations: list[str] = []
-    for out_spec in sig.output_specs:
-        if out_spec.kind == OutputKind.BUFFER_MUTATION:
-            mutations.append(out_spec.target)
-        elif out_spec.kind not in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+    for i in mutated:
+        spec = sig.input_specs[i]
+        if spec.kind == InputKind.BUFFER:
+            mutations.append(spec.target)
+        else:
+            kind = {InputKind.PARAMETER: "PARAMETER_MUTATION", InputKind.USER_INPUT: "USER_INPUT_MUTATION"}.get(
+                spec.kind, f"{spec.kind.name}_MUTATION")
             raise ShardingError(
-                f"forward mutates {out_spec.target!r} ({out_spec.kind.name}); in-place updates of inputs or "
+                f"forward mutates {spec.target or spec.arg.name!r} ({kind}); in-place updates of inputs or "
                 f"parameters are not supported: compute the new value and return it instead"
             )
 
