@@ -291,8 +291,9 @@ def _decomposed(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[i
     mutated: list[int] = []
 
     def forward(*args: Any) -> tuple:
-        # the inputs that require grad do here too: some composites pick their kernel by it
-        # (embedding_bag's forward-only kernel has no backward)
+        # as run_decompositions traces: inputs that require grad do here too, under no_grad; composites
+        # pick their kernels by both (embedding_bag's forward-only kernel has no backward; attention keeps
+        # its fused kernel, which the joint trace decomposes where its backward falls short)
         funs = [to_fun(a).requires_grad_() if isinstance(a, torch.Tensor) and v.requires_grad else to_fun(a)
                 for a, v in zip(args, vals)]
         with fx_traceback.preserve_node_meta():
@@ -305,7 +306,7 @@ def _decomposed(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[i
         return tuple([from_fun(funs[i]) for i in mutated] + [from_fun(o) if isinstance(o, torch.Tensor) else o
                                                              for o in outs])
 
-    with torch.enable_grad():
+    with torch.no_grad():
         out = functional_make_fx(forward, inputs, tracing_mode, table)
     reject_effect_tokens(out, "the forward", "the error check (the _ex variant: torch.linalg.inv_ex for inv)")
     return named_placeholders(out, [n.name for n in placeholders]), mutated
