@@ -281,6 +281,7 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
     free, tied = free or {}, tied or {}
     problem = Problem(tuple(ctx.mesh.sizes), tuple(ctx.mesh.links))
     k = len(problem.sizes)
+    memo: dict[tuple, tuple[list[list[AxisChoice]], list[tuple[int, int, int, int]]]] = {}  # _signature -> ...
     for node in gm.graph.nodes:
         spec = node.meta.get(META_KEY)
         if node.op == "output":
@@ -309,16 +310,76 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
             axes = [_constrain_choices(node, problem, ctx, a) for a in range(k)]
             problem.nodes[node.name] = NodeVars(axes, (0,) * k, [_value_of(node.args[0])])
         elif node.op == "call_function" and STRATEGY_KEY in node.meta:
-            axes = [_axis_choices(node, problem, a) for a in range(k)]
-            nv = NodeVars(axes, (0,) * k, [_value_of(x) for x in tensor_inputs(node)], _flops(node))
-            for a in range(k):
-                for b in range(a + 1, k):
-                    nv.invalid.extend((a, i, b, j) for i, ca in enumerate(axes[a]) for j, cb in enumerate(axes[b])
-                                      if not _legal(node, {a: ca.strategy, b: cb.strategy}, problem.sizes))
-            problem.nodes[node.name] = nv
+            key = _signature(node, problem)
+            found = memo.get(key) if key is not None else None
+            if found is None:
+                found = _candidates(node, problem)
+                if key is not None:
+                    memo[key] = found
+            axes, invalid = found
+            problem.nodes[node.name] = NodeVars([list(ax) for ax in axes], (0,) * k,
+                                                [_value_of(x) for x in tensor_inputs(node)], _flops(node),
+                                                list(invalid))
         elif isinstance(spec, Spec):
             problem.fixed[(node.name, 0)] = spec.placements
     return problem
+
+
+def _candidates(node: fx.Node, problem: Problem) -> tuple[list[list[AxisChoice]], list[tuple[int, int, int, int]]]:
+    """A decision node's choices per axis (:func:`_axis_choices`) and the pairs of per-axis choices that
+    split a tensor illegally together."""
+    k = len(problem.sizes)
+    axes = [_axis_choices(node, problem, a) for a in range(k)]
+    invalid = [(a, i, b, j) for a in range(k) for b in range(a + 1, k)
+               for i, ca in enumerate(axes[a]) for j, cb in enumerate(axes[b])
+               if not _legal(node, {a: ca.strategy, b: cb.strategy}, problem.sizes)]
+    return axes, invalid
+
+
+class _Unkeyed(Exception):
+    """An argument that is not plain data: the node's candidates are not memoized."""
+
+
+def _frozen(v: object, pos: dict[fx.Node, int]) -> object:
+    if isinstance(v, fx.Node):
+        if v not in pos:
+            raise _Unkeyed
+        return ("input", pos[v])
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_frozen(x, pos) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((name, _frozen(x, pos)) for name, x in v.items()))
+    try:
+        hash(v)
+    except TypeError:
+        raise _Unkeyed from None
+    return (type(v).__name__, v)  # the type: 1, 1.0 and True are equal keys
+
+
+def _signature(node: fx.Node, problem: Problem) -> Optional[tuple]:
+    """Everything :func:`_candidates` reads of ``node`` (the op, its non-tensor arguments, input and output
+    shapes and dtypes, the greedy strategy, the placements its inputs arrive in and may take, the mesh),
+    so that nodes of identical layers share one computation; None when an argument is not plain data.
+    Rules see a node only through ``OpCall``: shapes, dtypes, placements, arguments and the output value."""
+    ins = tensor_inputs(node)
+    pos: dict[fx.Node, int] = {}
+    for i, x in enumerate(ins):
+        pos.setdefault(x, i)
+    try:
+        args = _frozen((node.args, node.kwargs), pos)
+    except _Unkeyed:
+        return None
+    val, spec = node.meta.get("val"), node.meta[META_KEY]
+    out_dtypes = (tuple(getattr(v, "dtype", None) for v in val) if isinstance(val, (tuple, list))
+                  else getattr(val, "dtype", None))
+    out_complex = isinstance(val, torch.Tensor) and val.is_complex()
+    in_specs = [x.meta[META_KEY] for x in ins]
+    per_axis = tuple((tuple(s.placements[a] for s in in_specs),
+                      tuple(tuple(problem.outputs_of(_value_of(x), a)) for x in ins),
+                      node.meta[STRATEGY_KEY][a]) for a in range(len(problem.sizes)))
+    return (node.target, args, tuple((s.shape, s.dtype) for s in in_specs), out_shape_of(node), out_dtypes,
+            out_complex, tuple(x is None for x in spec) if isinstance(spec, tuple) else None,
+            bool(node.meta.get(FALLBACK_KEY)), problem.sizes, per_axis)
 
 
 def cluster(gm: fx.GraphModule, problem: Problem) -> dict[str, str]:
