@@ -579,11 +579,9 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         if spec.kind == InputKind.BUFFER:
             mutations.append(spec.target)
         else:
-            kind = {InputKind.PARAMETER: "PARAMETER_MUTATION", InputKind.USER_INPUT: "USER_INPUT_MUTATION"}.get(
-                spec.kind, f"{spec.kind.name}_MUTATION")
             raise ShardingError(
-                f"forward mutates {spec.target or spec.arg.name!r} ({kind}); in-place updates of inputs or "
-                f"parameters are not supported: compute the new value and return it instead"
+                f"forward mutates {spec.target or spec.arg.name!r} ({spec.kind.name}_MUTATION); in-place updates of "
+                f"inputs or parameters are not supported: compute the new value and return it instead"
             )
 
     for node in list(gm.graph.nodes):
