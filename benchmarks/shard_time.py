@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/shard_time.py --mode toy [--rounds 5]      # seed 000: fxshard vs DTensor
     .venv/bin/python benchmarks/shard_time.py --mode phases [--rounds 2]   # 8B, 32 layers, per phase
+    .venv/bin/python benchmarks/shard_time.py --mode phases --planners greedy greedy/whole global global/whole
     .venv/bin/python benchmarks/shard_time.py [--rounds 3] [--layers 2 4 8 16 32]   # vs depth (default)
 
 ``--mode toy``: seed 000's ToyModel (in 1024, hidden 4096, parameters requiring grad, input
@@ -17,6 +18,8 @@ Ratios are medians of per-round ratios (contenders interleaved, order rotated pe
 and per phase (``torch.export`` + decompositions of the forward, joint trace, each pipeline pass
 summed over the training and inference programs, the rest of ``shard()``), wall seconds, and the
 CPU seconds of the whole call (``time.process_time``: less sensitive to other jobs on the machine).
+``--planners greedy greedy/whole`` adds a contender whose joint graph is traced whole
+(``FXSHARD_TRACE_BY_OP=0``) instead of one distinct op at a time, interleaved with the default.
 
 Default (``--mode depth``), with the greedy planner (``planner="greedy"``; the numbers in the README are its):
 Model: ``tests.models.LlamaDecoder`` at 8B width (dim 4096, 32 heads, 8 KV heads, MLP 14336,
@@ -242,9 +245,13 @@ def phases(rounds: int, n_layers: int, tp: int, dp: int = 1, width: str = "8b",
         phases_once(2, mesh, "greedy", in_specs=in_specs)  # warm-up: first-call imports and caches
         for r in range(rounds):
             for p in rotated(planners, r):
-                runs[p].append(phases_once(n_layers, mesh, p, width=WIDTHS[width], batch=8 * dp, in_specs=in_specs))
+                planner, _, joint = p.partition("/")
+                os.environ["FXSHARD_TRACE_BY_OP"] = "0" if joint == "whole" else "1"
+                runs[p].append(phases_once(n_layers, mesh, planner, width=WIDTHS[width], batch=8 * dp,
+                                           in_specs=in_specs))
                 print(f"  round {r + 1}/{rounds}: planner={p} {runs[p][-1]['total']:6.2f} s", flush=True)
     finally:
+        os.environ.pop("FXSHARD_TRACE_BY_OP", None)
         dist.destroy_process_group()
     names = list(runs[planners[0]][0])
     med = {p: {k: median([x.get(k, 0.0) for x in runs[p]]) for k in names} for p in planners}
@@ -274,7 +281,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--mode", choices=["depth", "toy", "phases"], default="depth")
     ap.add_argument("--width", choices=sorted(WIDTHS), default="8b", help="--mode phases: Llama-3-8B or -70B shapes")
     ap.add_argument("--dp", type=int, default=1, help="--mode phases: a dp x tp mesh, batch 8 x dp split over dp")
-    ap.add_argument("--planners", nargs="+", default=["greedy", "global"], help="--mode phases")
+    ap.add_argument("--planners", nargs="+", default=["greedy", "global"],
+                    help="--mode phases: contenders, a planner, optionally with '/whole': the joint graph traced "
+                         "whole rather than one distinct op at a time (FXSHARD_TRACE_BY_OP=0), for side-by-side runs")
     ap.add_argument("--out", default=None, help="--mode phases: results file name (benchmarks/results/)")
     a = ap.parse_args(argv)
     if a.mode != "depth":

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-__all__ = ["constrain", "CONSTRAIN_OP", "constraint_scope", "record"]
+__all__ = ["constrain", "CONSTRAIN_OP", "constraint_kind", "constraint_scope", "record"]
 
 
 @dataclass
@@ -63,11 +63,17 @@ def _splits(spec: Any) -> bool:
     return any(isinstance(p, (Shard, S)) for p in items)
 
 
+def constraint_kind(key: str) -> str:
+    """What a constraint's key says about its gradient: ``"split"`` (pinned too) or ``"free"``; all
+    else in the key only tells constraints apart."""
+    return key.rsplit("_", 1)[-1]
+
+
 def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
     # a split layout pins its gradient too (sequence parallel's reduce_scatters in backward); a
     # replicated one does not, so partial gradients can be summed before their single reduction.
     # The key says which (the joint graph is traced after the scope that recorded the spec closed).
-    if ctx.key.endswith(_SPLIT):
+    if constraint_kind(ctx.key) == _SPLIT:
         return _constrain(grad, ctx.key), None
     return grad, None
 

@@ -15,7 +15,9 @@ forward's stop-gradients (``trace.STOP_KEY``) detach; data-dependent sizes get
 unbacked symbols; placeholders keep the forward's names (clashing nodes are
 renamed). A failure is one ShardingError naming the op and the user's line
 (the forward node being run, or the one whose backward autograd reached last);
-a gradient through a collective the model itself calls is such an error.
+a gradient through a collective the model itself calls is such an error. Where the graph allows it
+the trace goes one distinct op at a time (``fxshard/trace_by_op.py``: the same graph, a fraction of
+the time on repeated layers).
 
 ``partition`` requires a sharded joint graph and ensures two GraphModules:
 forward ``primals -> (outputs..., saved...)`` holding exactly the nodes the
@@ -48,6 +50,7 @@ from ..fake_trace import fake_inputs, fake_like, functional_make_fx, named_place
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
 from ..placements import R
 from ..registry import output_leaves
+from ..trace_by_op import by_op_enabled, joint_by_op
 from ..remat import Policy, check_policy, fit_budget, layer_sets, recomputed, value_bytes
 from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
 
@@ -130,8 +133,14 @@ def _restride(t: Any, like: Any) -> Any:
     return t.permute(order).contiguous().permute(back)
 
 
-def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) -> Joint:
-    """See module doc; ``wants_grad[i]`` says whether primal ``i`` gets a gradient."""
+def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], by_op: Optional[bool] = None) -> Joint:
+    """See module doc; ``wants_grad[i]`` says whether primal ``i`` gets a gradient. ``by_op``: trace each
+    distinct op once where the graph allows it (``fxshard/trace_by_op.py``: the same graph, faster), else
+    (and where it does not allow it) the whole graph at once; None: ``trace_by_op.by_op_enabled()``, and only
+    where ops repeat enough to gain (``trace_by_op.MIN_REPEATS``)."""
+    auto = by_op is None
+    if auto:
+        by_op = by_op_enabled()
     placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
     primals, mode, tracing_mode = fake_inputs([n.meta.get("val") for n in placeholders])
     out_node = next(n for n in fwd_gm.graph.nodes if n.op == "output")
@@ -172,9 +181,15 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool]) 
             "for inference only, set requires_grad=False on the parameters and example inputs",
             where=lambda: (source_line(at()) or at().name) if at() is not None else None), \
             quiet_unless_ok(), torch.enable_grad():
-        gm = functional_make_fx(joint, (primals, tangents), tracing_mode, table)
-    reject_effect_tokens(gm, "the training graph", "gradients (torch.no_grad() or .detach())")
-    gm = named_placeholders(gm, [n.name for n in placeholders])
+        gm = None
+        if tracing_mode == "fake" and by_op:
+            gm = joint_by_op(fwd_gm, diff_in, diff_out, _Differentiable, table, lambda n: setattr(interp, "at", n),
+                             force=not auto)
+        if gm is None:
+            interp.at = None
+            gm = functional_make_fx(joint, (primals, tangents), tracing_mode, table)
+            reject_effect_tokens(gm, "the training graph", "gradients (torch.no_grad() or .detach())")
+            gm = named_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
             n.replace_all_uses_with(n.args[0])

@@ -43,6 +43,7 @@ from ..constrain import constraint_scope, record
 from ..errors import ShardingError
 from ..fake_trace import fake_inputs, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import STOP_KEY, source_line
+from ..trace_by_op import by_op_enabled, forward_by_op
 from .simplify import drop_noop_clones
 
 aten = torch.ops.aten
@@ -283,10 +284,15 @@ def _decomposed(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[i
     ``ExportedProgram.run_decompositions(table)`` gives (same placeholders and names, core ATen, nodes
     keep their source lines; each updated placeholder's new value an output, in placeholder order,
     before ``gm``'s outputs), at about half its cost (it traces the program twice and collects every
-    CompositeImplicitAutograd op per call)."""
+    CompositeImplicitAutograd op per call). Where it can, one distinct op at a time
+    (``fxshard/trace_by_op.py``; the same graph)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("val") for n in placeholders]
     inputs, _, tracing_mode = fake_inputs(vals)
+    if tracing_mode == "fake" and by_op_enabled():
+        fast = forward_by_op(gm, table)  # the same graph, each distinct op traced once
+        if fast is not None:
+            return fast, []
     interp = fx.Interpreter(gm)
     mutated: list[int] = []
 
