@@ -5,18 +5,22 @@ traces forward + backward (``passes/joint.py``). Traced whole, every op of every
 functional, proxy and fake modes: most of ``shard()``'s time on a deep model, although 32 identical
 layers hold about a hundred distinct ops. ``forward_by_op`` and ``joint_by_op`` trace each distinct op
 once and copy the result wherever it recurs. Each returns the graph the whole trace gives (same
-placeholders, outputs, ops, values and source lines; in the joint graph gradient additions may come
-in another order) or None when the graph is outside what it handles, and the caller then traces it
-whole: symbolic or data-dependent shapes, collectives or higher-order ops in the graph (a ``no_grad``
-region of export's), ops that update an input in place, an op whose trace adds effect tokens or
-constants, or any op that fails to trace (the whole trace's error says where). It never guesses.
+placeholders, outputs, ops, values and source lines; gradient additions in autograd's order) or None
+when the graph is outside what it handles, and the caller then traces it whole: symbolic or
+data-dependent shapes, collectives or higher-order ops in the graph (a ``no_grad`` region of
+export's), ops that update an input in place, conjugate or negative views, an ``as_strided`` of an
+input with a storage offset (fake inputs start at offset 0), a complex input that wants a gradient,
+an op whose trace adds effect tokens or constants, any op that fails to trace (the whole trace's error
+says where), or a graph whose ops repeat too little to gain (``MIN_REPEATS``). It never guesses; the
+reason is logged at DEBUG.
 
 1. Forward, in order: each op's *signature*: op, arguments with the positions of the graph values
-   among them, each value's shape, strides, dtype, device and whether it needs a gradient (a primal
-   that gets one, or an op output autograd marks so: read from the op run once on fake tensors per
-   signature; stop-gradients never). The forward decomposition traces each op here (under
+   among them, each value's shape, strides, storage offset, dtype, device and whether it needs a
+   gradient (a primal that gets one, or an op output autograd marks so: read from the op run once on
+   fake tensors per signature; stop-gradients never). The forward decomposition traces each op here (under
    ``no_grad``, as the whole re-trace does), and its consumers see the values the traced copies
-   make, not export's record of them (a decomposition may lay its result out differently, and the
+   make, not export's record of them (the joint reads the forward graph's values, which its own
+   trace made) (a decomposition may lay its result out differently, and the
    next op's decomposition can depend on strides).
 2. Joint only, backward in reverse: the gradients reaching each op's outputs (tangents of the
    differentiable outputs first, then each consumer's gradient in the order autograd's engine adds
@@ -33,6 +37,7 @@ constants, or any op that fails to trace (the whole trace's error says where). I
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 from dataclasses import dataclass
@@ -54,6 +59,7 @@ from .ir import STOP_KEY
 
 __all__ = ["joint_by_op", "forward_by_op", "by_op_enabled"]
 
+_log = logging.getLogger(__name__)  # why a graph was traced whole (DEBUG)
 _FOREIGN = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "higher_order")
 # meta that make_fx copies from the node being run (``preserve_node_meta``): where a copy came from
 _PROVENANCE = ("stack_trace", *torch.fx.proxy._COPY_META_FIELDS)
@@ -87,7 +93,15 @@ class _Mini:
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device)
+    """What a traced op may depend on of an input besides its values. A conjugate or negative view
+    is not reproduced on the fake inputs: such a value needs the whole trace."""
+    if t.is_conj() or t.is_neg():
+        raise _Unsupported("a conjugate or negative view")
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device)
+
+
+# ops whose traced graph holds the storage offset of their input (fake inputs start at offset 0)
+_OFFSET_OPS = {"as_strided", "as_strided_scatter", "as_strided_copy", "as_strided_"}
 
 
 def _leaves(val: Any) -> list[Any]:
@@ -130,19 +144,20 @@ def joint_by_op(fwd_gm: fx.GraphModule, diff_in: list[int], diff_out: list[int],
     try:
         return _ByOp(fwd_gm, diff_in, diff_out, interp_cls, table, on_node, grad=True,
                      min_repeats=0.0 if force else MIN_REPEATS).run()
-    except Exception:  # noqa: BLE001 - outside what it handles (or an op fails): the whole trace decides
+    except Exception as e:  # noqa: BLE001 - outside what it handles (or an op fails): the whole trace decides
+        _log.debug("the joint graph is traced whole: %s", e)
         return None
 
 
 def forward_by_op(gm: fx.GraphModule, table: dict) -> Optional[fx.GraphModule]:
     """``gm`` (an exported program's graph) decomposed by ``table`` one distinct op at a time: the graph
     ``trace._decomposed`` traces whole (under ``no_grad``, inputs that require grad doing so, outputs
-    returned as a flat list), or None where that needs the whole trace (besides the cases of the
-    module doc: an op that updates its input in place; ops that repeat less than ``MIN_REPEATS``
-    times on average)."""
+    returned as a flat list), or None where that needs the whole trace (the cases of the
+    module doc)."""
     try:
         return _ByOp(gm, [], [], fx.Interpreter, table, lambda n: None, grad=False, min_repeats=MIN_REPEATS).run()
-    except Exception:  # noqa: BLE001 - as joint_by_op
+    except Exception as e:  # noqa: BLE001 - as joint_by_op
+        _log.debug("the forward is decomposed whole: %s", e)
         return None
 
 
@@ -234,7 +249,7 @@ class _ByOp:
 
     def _trace(self, n: fx.Node, ins: list[fx.Node], sig: Hashable, wanted: list[int],
                tangent_vals: list[torch.Tensor]) -> _Mini:
-        key = (sig, tuple(wanted), tuple(_layout(t) for t in tangent_vals))
+        key = (sig, tuple(wanted), tuple(_layout(t) for t in tangent_vals))  # (conjugate tangents: whole)
         if key in self.minis:
             return self.minis[key]
         self.on_node(n)
@@ -269,6 +284,10 @@ class _ByOp:
             if x.op == "get_attr" or (x.op == "call_function" and not isinstance(x.target, torch._ops.OpOverload)
                                       and x.target is not operator.getitem):
                 raise _Unsupported(f"{x.op} {x.target} in the trace of {n.target}")
+        if any(v.storage_offset() for v in vals + tangent_vals) and any(
+                getattr(x.target, "overloadpacket", None).__name__ in _OFFSET_OPS for x in graph.nodes
+                if isinstance(x.target, torch._ops.OpOverload)):
+            raise _Unsupported(f"{n.target} reads the storage offset of an input that has one")
         phs = [x for x in graph.nodes if x.op == "placeholder"]
         if len(phs) != len(ins) + len(tangent_vals):
             raise _Unsupported("extra inputs (effect tokens)")
@@ -329,6 +348,8 @@ class _ByOp:
         for i, p in enumerate(self.placeholders):
             v = p.meta.get("val")
             if self.grad:
+                if i in self.diff_in and isinstance(v, torch.Tensor) and v.is_complex():
+                    raise _Unsupported("a complex input that wants a gradient")  # the whole trace says why not
                 self.rg[p] = i in self.diff_in and isinstance(v, torch.Tensor) and v.is_floating_point()
             else:
                 self.rg[p] = isinstance(v, torch.Tensor) and v.requires_grad
@@ -420,7 +441,7 @@ class _ByOp:
             if old is None:
                 grad_of[target] = new
                 return
-            s = g.call_function(torch.ops.aten.add.Tensor, (old, new))
+            s = g.create_node("call_function", torch.ops.aten.add.Tensor, (old, new), name="add")
             with self.mode:
                 s.meta["val"] = torch.ops.aten.add.Tensor(old.meta["val"], new.meta["val"])
             s.meta["tensor_meta"] = _extract_tensor_metadata(s.meta["val"])

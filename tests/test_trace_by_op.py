@@ -25,6 +25,7 @@ import torch.nn as nn
 import fxshard.passes.joint as joint_mod
 import fxshard.passes.trace as trace_mod
 import fxshard.trace_by_op as by_op_mod
+from fxshard import ShardingError
 from fxshard.passes.joint import trace_joint
 from fxshard.passes.trace import trace_forward
 from tests import test_joint_semantics as js
@@ -63,6 +64,43 @@ class _ComplexRope(nn.Module):
         return (torch.view_as_real(q * rot).flatten(-2) ** 2).sum()
 
 
+class _ConjProduct(nn.Module):
+    """``q * k.conj()`` of complex views: a conjugate view reaches the product and its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = torch.view_as_complex(self.q(x).reshape(*x.shape[:-1], 4, 2))
+        k = torch.view_as_complex(self.k(x).reshape(*x.shape[:-1], 4, 2))
+        p = q * k.conj()
+        return p.real.sum(-1) + p.imag.sum(-1)
+
+
+class _OffsetStrided(nn.Module):
+    """``as_strided`` with an explicit storage offset on a view that has one of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[1:].as_strided((2, 4), (8, 1), 12) * 2
+
+
+class _ComplexWeight(nn.Module):
+    """A complex parameter (a spectral layer's weight): fxshard does not differentiate complex inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(5, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.irfft(torch.fft.rfft(self.lin(x), dim=-1) * self.w, n=8, dim=-1)
+
+
 def _extra_cases() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]]:
     g = torch.Generator().manual_seed(0)
 
@@ -73,6 +111,8 @@ def _extra_cases() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tupl
     x48, x8 = randn(4, 8, grad=True), randn(3, 8)
     return {
         "shared": (_Shared, lambda: (x8(),)),
+        "conj_product": (_ConjProduct, lambda: (torch.randn(3, 8, generator=torch.Generator().manual_seed(4)),)),
+        "offset_strided": (_OffsetStrided, lambda: (torch.randn(4, 8, generator=torch.Generator().manual_seed(5)),)),
         "complex_rope": (_ComplexRope, lambda: (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(3)),)),
         "maxmin": (js.MaxMin, lambda: (torch.randn(10, 6, generator=torch.Generator().manual_seed(1)),)),
         "index_fill": (js.IndexFill, lambda: (torch.randn(3, 4, generator=torch.Generator().manual_seed(2)),)),
@@ -135,13 +175,18 @@ def _ops(gm: torch.fx.GraphModule) -> collections.Counter:
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
+# what the per-op traces leave to the whole trace: a conjugate view (not reproduced on fake inputs), an
+# as_strided whose input has a storage offset (its trace holds offsets relative to that input's)
+WHOLE_JOINT = {"conj_product", "offset_strided"}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_per_op_trace_gives_the_whole_trace_graph(name, monkeypatch):
     traced, wants = _traced(*CASES[name])
     whole = trace_joint(traced, traced.gm, wants, by_op=False)
     spy = _Spy(monkeypatch)
     fast = trace_joint(traced, traced.gm, wants, by_op=True)
-    assert spy.results == [True], "the per-op path stepped aside"
+    assert spy.results == [name not in WHOLE_JOINT], "the per-op path stepped aside, or did not"
     assert (fast.n_primals, fast.diff_in, fast.diff_out, fast.n_out) == (
         whole.n_primals, whole.diff_in, whole.diff_out, whole.n_out)
     names = lambda gm: [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # noqa: E731
@@ -195,7 +240,7 @@ def test_the_environment_can_turn_the_per_op_path_off(monkeypatch):
 
 
 # export's graph updates a tensor in place (index_fill_, slice copies) or holds a no_grad region there
-WHOLE_FORWARD = {"index_fill", "stop_no_grad", "stop_enable_grad", "slice_copies"}
+WHOLE_FORWARD = {"index_fill", "stop_no_grad", "stop_enable_grad", "slice_copies", "conj_product", "offset_strided"}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -246,3 +291,14 @@ def test_graphs_with_few_repeated_ops_are_traced_whole(monkeypatch):
         assert (forward is not None) == want
         trace_joint(traced, traced.gm, wants)  # by_op=None: the default, with the repetition check
         assert spy.results == [want]
+
+
+def test_a_complex_parameter_gets_the_whole_trace_error(monkeypatch):
+    """The whole trace refuses to differentiate a complex parameter; the per-op one must not quietly
+    return no gradient for it instead."""
+    traced, wants = _traced(_ComplexWeight, lambda: (torch.randn(4, 8),))
+    spy = _Spy(monkeypatch)
+    for by_op in (False, True):
+        with pytest.raises(ShardingError, match="does not require grad"):
+            trace_joint(traced, traced.gm, wants, by_op=by_op)
+    assert spy.results == [False]
