@@ -302,3 +302,21 @@ def test_a_complex_parameter_gets_the_whole_trace_error(monkeypatch):
         with pytest.raises(ShardingError, match="does not require grad"):
             trace_joint(traced, traced.gm, wants, by_op=by_op)
     assert spy.results == [False]
+
+
+class _RReLU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.rrelu(x, training=True)
+
+
+@pytest.mark.parametrize("by_op", [False, True])
+def test_rrelu_backward_reads_the_noise_its_forward_drew(by_op, monkeypatch):
+    """Eager: d rrelu(x) / dx is the slope drawn for each element, y / x. The functionalized trace
+    handed the backward the noise buffer before the forward wrote it (uninitialised memory)."""
+    monkeypatch.setattr(by_op_mod, "MIN_REPEATS", 0.0)
+    traced, wants = _traced(_RReLU, lambda: (torch.randn(4, 8).requires_grad_(),))
+    joint = trace_joint(traced, traced.gm, wants, by_op=by_op)
+    x, t = torch.randn(4, 8, generator=torch.Generator().manual_seed(2)), torch.randn(4, 8)
+    y, gx = torch.utils._pytree.tree_leaves(joint.gm(x, t))
+    torch.testing.assert_close(gx, t * y / x)
+    assert ((y / x)[x < 0] < 1).all() and ((y / x)[x < 0] >= 1 / 8).all()  # slopes drawn in [1/8, 1/3]

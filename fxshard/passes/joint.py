@@ -17,7 +17,8 @@ renamed). A failure is one ShardingError naming the op and the user's line
 (the forward node being run, or the one whose backward autograd reached last);
 a gradient through a collective the model itself calls is such an error. Where the graph allows it
 the trace goes one distinct op at a time (``fxshard/trace_by_op.py``: the same graph, a fraction of
-the time on repeated layers).
+the time on repeated layers). ``rrelu``'s backward is pointed at the noise its forward drew (the
+functionalized trace gives it the buffer before the write).
 
 ``partition`` requires a sharded joint graph and ensures two GraphModules:
 forward ``primals -> (outputs..., saved...)`` holding exactly the nodes the
@@ -197,8 +198,28 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
         elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
             raise ShardingError(f"internal: the functionalized joint graph still mutates ({n.format_node()}); "
                                 f"please report this model")
+    _read_written_noise(gm.graph)
     gm = _cse(gm)
     return Joint(gm, len(primals), diff_out, diff_in, n_out)
+
+
+def _read_written_noise(g: fx.Graph) -> None:
+    """``rrelu``'s backward reads the noise its forward drew (eager's kernel writes it in place); the
+    functionalized trace hands the backward the buffer as it was before that write (uninitialised
+    ``empty``), whatever the path. Point every such read at the forward's written noise."""
+    written: dict[fx.Node, fx.Node] = {}
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.aten.rrelu_with_noise_functional.default:
+            out = next((u for u in n.users if u.target is operator.getitem and u.args[1] == 1), None)
+            if out is None:
+                with g.inserting_after(n):
+                    out = g.call_function(operator.getitem, (n, 1))
+                out.meta["val"] = n.meta["val"][1]
+            written[n.args[1]] = out
+        elif n.target is torch.ops.aten.rrelu_with_noise_backward.default and n.args[2] in written:
+            n.args = (n.args[0], n.args[1], written[n.args[2]], *n.args[3:])
 
 
 @dataclass
