@@ -76,8 +76,10 @@ def plot_step_time(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = res["cases"]
-    names = ["fxshard", "fxshard-nobucket", "megatron", "dtensor", "fxshard-compiled", "megatron-compiled"]
-    colors = {"fxshard": "#1f77b4", "fxshard-nobucket": "#9edae5", "megatron": "#2ca02c", "dtensor": "#ff7f0e",
+    names = ["fxshard", "fxshard-nooverlap", "fxshard-nobucket", "megatron", "dtensor", "fxshard-compiled",
+             "megatron-compiled"]
+    colors = {"fxshard": "#1f77b4", "fxshard-nooverlap": "#c5b0d5", "fxshard-nobucket": "#9edae5", "megatron": "#2ca02c",
+              "dtensor": "#ff7f0e",
               "fxshard-compiled": "#aec7e8", "megatron-compiled": "#98df8a"}
     fig, ax = plt.subplots(figsize=(10, 4), dpi=120)
     width = 0.8 / len(names)

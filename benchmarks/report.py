@@ -22,8 +22,8 @@ def md(rows, header) -> str:
 
 def step_time(r) -> str:
     cols = ["fxshard", "megatron", "dtensor", "fxshard-compiled", "megatron-compiled"]
-    ratio_cols = ["fxshard/megatron", "fxshard-nobucket/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled",
-                  "fxshard-compiled/megatron"]
+    ratio_cols = ["fxshard/megatron", "fxshard-nooverlap/megatron", "fxshard/fxshard-nooverlap", "fxshard-nobucket/megatron",
+                  "fxshard/dtensor", "fxshard-compiled/megatron-compiled", "fxshard-compiled/megatron"]
     rows = []
     for name, c in r["cases"].items():
         rows.append([name] + [f"{c['median_s'][n] * 1e3:.0f}" if n in c["median_s"] else "-" for n in cols]

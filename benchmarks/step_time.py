@@ -21,7 +21,8 @@ Contenders: ``fxshard`` (``fxshard.shard``), ``megatron`` (``benchmarks/megatron
 sliced by hand, explicit collectives in autograd pairs; + DDP on the 2x2 mesh), ``dtensor``
 (``Transformer.parallelize(..., local_output_for_attn=True)``: DTensor's own plan, which is the
 ``full`` plan; in the ``full``/``outside`` cases), ``fxshard-nobucket`` on the 2x2 mesh
-(``bucket_mb=None``: one gradient all-reduce per parameter), and in the cases marked compiled
+(``bucket_mb=None``: one gradient all-reduce per parameter), ``fxshard-nooverlap`` in every case
+(``pipeline=DEFAULT.without("overlap")``: collectives not scheduled for overlap), and in the cases marked compiled
 ``fxshard-compiled`` / ``megatron-compiled`` (``torch.compile`` of the same modules, inductor).
 
 Method: each case builds its contenders from seed 0, runs 2 steps (warm-up and compilation; their
@@ -72,6 +73,7 @@ class Case:
             out.append("fxshard-nobucket")  # bucket_mb=None: one all-reduce per gradient, as before buckets
         if self.compiled:
             out += ["fxshard-compiled", "megatron-compiled"]
+        out.append("fxshard-nooverlap")  # DEFAULT.without("overlap"): every collective right before its consumer
         return out
 
 
@@ -137,7 +139,7 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
 
     inside = case.loss == "inside"
     two_d = case.mesh == "dp2xtp2"
-    base = name.replace("-compiled", "").replace("-nobucket", "")
+    base = name.replace("-compiled", "").replace("-nobucket", "").replace("-nooverlap", "")
     model = make_model(cfg, case.tied, inside)
     if base == "fxshard":
         kw: dict = {}
@@ -147,6 +149,9 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
             kw["planner"] = "greedy"  # gathers the batch over dp rather than all-reduce the weight gradients
         if name.endswith("-nobucket"):
             kw["bucket_mb"] = None
+        if name.endswith("-nooverlap"):
+            from fxshard.pipeline import DEFAULT
+            kw["pipeline"] = DEFAULT.without("overlap")
         mod = fxshard.shard(model, mesh, plan_for(case.plan), example_inputs=example if inside else example[:1], **kw)
     elif base == "dtensor":
         mod = Transformer.parallelize(model, mesh, use_seq_parallel=False, local_output_for_attn=True)
@@ -241,7 +246,8 @@ def _rank_main(rank: int, world: int, cfg: dict, cases: list[dict], rounds: int,
     return out
 
 
-RATIOS = [("fxshard", "megatron"), ("fxshard-nobucket", "megatron"), ("fxshard", "dtensor"), ("fxshard-compiled", "megatron-compiled"),
+RATIOS = [("fxshard", "megatron"), ("fxshard-nooverlap", "megatron"), ("fxshard", "fxshard-nooverlap"),
+          ("fxshard-nobucket", "megatron"), ("fxshard", "dtensor"), ("fxshard-compiled", "megatron-compiled"),
           ("fxshard-compiled", "megatron"), ("megatron-compiled", "megatron"), ("dtensor", "megatron")]
 
 
@@ -310,7 +316,8 @@ def main(argv=None) -> dict:
 
 _COLS = [("fxshard", "fxshard ms"), ("megatron", "megatron ms"), ("dtensor", "dtensor ms"),
          ("fxshard-compiled", "fx-comp ms"), ("megatron-compiled", "meg-comp ms")]
-_RATIO_COLS = ["fxshard/megatron", "fxshard-nobucket/megatron", "fxshard/dtensor", "fxshard-compiled/megatron-compiled", "fxshard-compiled/megatron"]
+_RATIO_COLS = ["fxshard/megatron", "fxshard-nooverlap/megatron", "fxshard/fxshard-nooverlap", "fxshard-nobucket/megatron",
+               "fxshard/dtensor", "fxshard-compiled/megatron-compiled", "fxshard-compiled/megatron"]
 
 
 if __name__ == "__main__":

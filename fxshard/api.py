@@ -16,7 +16,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
-from .memory import memory as memory_report
+from .memory import memory as memory_report, output_values
 from .sizes import fmt_bytes
 from .consistency import fingerprint
 from .cost import linked_mesh_info
@@ -69,8 +69,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     ShardingError before tracing. ``progress`` reports each stage as it starts (tracing a
     large model takes a while): by default on stderr when it is a terminal (rank 0 only), a
     callable gets the messages, ``False`` silences it (``fxshard.progress.reporter``).
-    ``pipeline`` is the pass pipeline (``fxshard.pipeline``; ``DEFAULT.with_pass(OVERLAP)``
-    also reorders collectives for overlap, as ``fxshard.backend(..., overlap=True)`` does).
+    ``pipeline`` is the pass pipeline (``fxshard.pipeline``). ``DEFAULT`` ends by scheduling each
+    program's collectives for overlap (issued as soon as their inputs exist, waited when nothing
+    independent is left to run) where that raises the program's modelled peak memory by at most 1%;
+    ``DEFAULT.without("overlap")`` keeps each collective right before its first consumer.
     ``planner``: ``"global"`` (default) chooses every op's strategy by one MILP over the whole graph
     (HiGHS via scipy, ``passes/solve.py``), seeded by the greedy sweep and never costlier than its plan;
     where the greedy plan is provably optimal (e.g. Megatron styles pinning every layout around the
@@ -353,7 +355,9 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm, remat, ctx.mesh.sizes)
-    fwd, bwd = pipeline.finish(split.fwd, jctx), pipeline.finish(split.bwd, jctx, "backward")
+    fwd = pipeline.finish(split.fwd, jctx)
+    saved = lambda: output_values(fwd, ctx.mesh)[joint.n_out:]  # noqa: E731
+    bwd = pipeline.finish(split.bwd, replace(jctx, program_inputs=saved), "backward")
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(fwd, "forward", fb), Program(bwd, "backward", fb), joint.n_out,

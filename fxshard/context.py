@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,6 +27,9 @@ class ShardContext:
     set by default; internal single-op contexts, such as rule validation, keep the sweep).
     ``bucket_mb`` is the gradient bucket size of backward programs in MiB (``passes/bucket.py``;
     None: one collective per gradient).
+    ``program_inputs``: while a backward program is finished, a function giving the fake local values of
+    its first placeholders (what its forward saved, as the forward lays them out), for passes that model
+    the program's memory (``passes/overlap.py``); None otherwise.
     ``activation_room``: set by auto-sharding under a memory budget, the bytes per rank its plan leaves
     for the graph's values; the global planner keeps their liveness peak within it (``auto.activation_rows``).
     """
@@ -40,6 +43,7 @@ class ShardContext:
     planner: str = "greedy"
     bucket_mb: Optional[float] = None
     activation_room: Optional[int] = None
+    program_inputs: Optional[Callable[[], Sequence[Any]]] = None
     # auto-sharding's planner under ``activation_room`` (``auto.solve_within``; given by the caller so the
     # solve pass does not import auto, which imports it)
     solve_within: Optional[Callable] = None

@@ -14,7 +14,8 @@ than a shallow one (seed 002).
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+import weakref
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -24,12 +25,14 @@ from .collectives import all_reduce_into_input, hint
 from .description import Sharding, sharding_of
 from .errors import ShardingError
 from .ir import META_KEY, VIEW_OPS
+from .registry import output_leaves
 from .spec import Spec
 from .symbolic import sym_dim, sym_shape
 
 aten = torch.ops.aten
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-__all__ = ["memory", "program_peak", "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
+__all__ = ["memory", "program_peak", "local_values", "local_bytes", "output_values", "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
@@ -64,6 +67,37 @@ def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None, given: Sequ
                    for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")]
         Rec(gm).run(*fake_in)
     return vals
+
+
+_LOCAL_VALS: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
+
+
+def local_values(gm: fx.GraphModule, mesh: Any, given: Sequence[Any] = ()) -> dict[fx.Node, Any]:
+    """The fake local value every node of the per-rank program ``gm`` makes on this rank of ``mesh`` (a
+    ``MeshInfo``); ``given`` as in ``_local_vals``. Remembered per program while its nodes stay the same
+    (a reordering keeps every value), so the passes and ``_shard_training`` interpret a program once."""
+    key = (frozenset(gm.graph.nodes), mesh.sizes, mesh.coords, mesh.device_type, len(given))
+    hit = _LOCAL_VALS.get(gm)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    vals = _local_vals(gm, mesh.sizes, mesh.device_type, mesh.coords, given)
+    _LOCAL_VALS[gm] = (key, vals)
+    return vals
+
+
+def local_bytes(gm: fx.GraphModule, mesh: Any, given: Sequence[Any] = ()) -> Callable[[fx.Node], int]:
+    """Bytes of the value each node of ``gm`` makes on this rank (see :func:`local_values`); the
+    ``nbytes`` of :func:`liveness_peak`."""
+    vals = local_values(gm, mesh, given)
+    return lambda n: _nbytes(vals.get(n))
+
+
+def output_values(gm: fx.GraphModule, mesh: Any) -> list[Any]:
+    """The fake local values of ``gm``'s output leaves, in order (a training forward's saved values follow its
+    outputs: the ``given`` of its backward)."""
+    vals = local_values(gm, mesh)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return [vals[a] if isinstance(a, fx.Node) else a for a in output_leaves(out)]
 
 
 def _nbytes(v: Any) -> int:
@@ -123,6 +157,10 @@ def liveness(gm: fx.GraphModule, inputs_live: bool = False, outputs_live: bool =
         for a in n.all_input_nodes:
             o = owner(a)
             last[o] = max(last.get(o, 0), pos[n])
+        if n.op == "call_function" and n.target is _WAIT and isinstance(n.args[0], fx.Node):
+            for a in n.args[0].all_input_nodes:  # a collective holds its inputs until it is waited for
+                o = owner(a)
+                last[o] = max(last.get(o, 0), pos[n])
     out_node = nodes[-1]
     end = len(nodes)
     if outputs_live:
@@ -159,7 +197,7 @@ def _saved(view: Sharding) -> tuple[int, list[Any]]:
     parameters and buffers are not counted: they are held anyway), and the saved values (fake, local)."""
     tr = view.training
     gm = tr.fwd.gm
-    vals = _local_vals(gm, view.mesh.sizes, view.mesh.device_type, view.mesh.coords)
+    vals = local_values(gm, view.mesh)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     saved = list(out.args[0])[tr.n_out:]
     owners = set()  # a saved view counts as the storage it views, once

@@ -14,11 +14,12 @@ localize       arrive                local                ``passes/localize.py``
 emit           local                 clean                ``passes/emit.py``
 bucket         clean                 (nothing new)        ``passes/bucket.py`` (backward programs; ``ctx.bucket_mb``)
 inplace        clean                 (nothing new)        ``passes/inplace.py`` (all_reduce of a dying buffer in place)
-overlap        clean                 scheduled            ``passes/overlap.py`` (optional)
+overlap        clean                 scheduled            ``passes/overlap.py`` (kept where peak memory holds)
 =============  ====================  ===================  ==========================================
 
 (facts: ``passes/verify.py``). ``DEFAULT`` is what ``fxshard.shard``, ``fxshard.jit``, the CLI and
-the compile backend run (the backend adds ``overlap`` with ``overlap=True``). A pass marked
+the compile backend run (``fxshard.backend(..., overlap=False)`` and ``DEFAULT.without("overlap")`` drop
+the overlap schedule). A pass marked
 ``per_program`` runs on each finished per-rank program (for training, after the joint graph is
 split into forward and backward; one with ``program="backward"`` on the backward program only),
 the others on the whole graph. With ``FXSHARD_VERIFY=1`` the
@@ -152,9 +153,16 @@ class Pipeline:
             return self
         return Pipeline(self.passes + (extra,))
 
+    def without(self, name: str) -> "Pipeline":
+        """This pipeline without the pass called ``name`` (e.g. ``DEFAULT.without("overlap")``: every
+        collective stays where the redistribute pass put it, right before its first consumer)."""
+        if name not in self.names:
+            raise ShardingError(f"the pipeline has no pass {name!r}; its passes are {self.names}")
+        return Pipeline(tuple(p for p in self.passes if p.name != name))
+
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.passes]
 
 
-DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT, BUCKET, INPLACE))
+DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT, BUCKET, INPLACE, OVERLAP))

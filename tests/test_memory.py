@@ -55,11 +55,36 @@ def test_seed002_collective_buffers_do_not_grow_with_depth():
     assert _seed002_peak(8) == _seed002_peak(2) > 0
 
 
-class LiveBytes(TorchDispatchMode):
-    """Tracks bytes of storages created by ops while the mode is active; ``peak`` is their maximum."""
+def test_a_collective_holds_its_input_until_it_is_waited_for():
+    """``x`` is read only by an out-of-place all_gather, but the collective holds it until its wait: an
+    op issued in between (``y``) runs with ``x`` still allocated. Modelled as freed at the issue, the
+    peak would miss ``x`` (and the overlap schedule, which puts work between issue and wait, would look
+    cheaper than it is)."""
+    import torch.fx as fx
 
-    def __init__(self):
+    from fxshard.memory import liveness_peak
+
+    c10d = torch.ops._c10d_functional
+    g = fx.Graph()
+    a = g.placeholder("a")
+    x = g.call_function(torch.ops.aten.mul.Tensor, (a, 2))
+    gathered = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0"))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (a, 3))
+    w = g.call_function(c10d.wait_tensor.default, (gathered,))
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (w, y)),))
+    sizes = {x: 100, gathered: 200, y: 1000}
+    peak = liveness_peak(fx.GraphModule(torch.nn.Module(), g), lambda n: sizes.get(n, 0))
+    assert peak == 100 + 200 + 1000
+
+
+class LiveBytes(TorchDispatchMode):
+    """Tracks bytes of storages created by ops while the mode is active; ``peak`` is their maximum.
+    Views of the tensors in ``held`` (parameters, inputs: allocated before the program runs) are not
+    storages the program creates and are not counted."""
+
+    def __init__(self, held: tuple = ()):
         super().__init__()
+        self.held = {t.untyped_storage().data_ptr() for t in held}
         self.live: dict[int, list] = {}  # storage ptr -> [bytes, live tensor objects]
         self.cur = 0
         self.peak = 0
@@ -78,6 +103,8 @@ class LiveBytes(TorchDispatchMode):
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 ptr = t.untyped_storage().data_ptr()
+                if ptr in self.held:
+                    continue
                 if ptr not in self.live:
                     self.live[ptr] = [t.untyped_storage().nbytes(), 0]
                     self.cur += self.live[ptr][0]
@@ -94,7 +121,7 @@ def _measure(rank: int, world: int) -> dict:
     sm = fxshard.shard(model, mesh, transformer_plan(2), example_inputs=(tokens,))
     with torch.no_grad():
         sm(tokens)  # warm up
-        mode = LiveBytes()
+        mode = LiveBytes(held=(*sm.parameters(), *sm.buffers(), tokens))
         with mode:
             out = sm(tokens)
         del out

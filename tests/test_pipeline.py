@@ -26,8 +26,11 @@ def test_pipeline_rejects_a_pass_whose_requirements_nothing_ensures():
         Pipeline((PROPAGATE, LOCALIZE, EMIT))
     with pytest.raises(ShardingError, match="per-program"):
         Pipeline((PROPAGATE, REDISTRIBUTE, LOCALIZE, EMIT, OVERLAP, Pass("late", lambda gm, ctx: gm)))
-    assert DEFAULT.with_pass(OVERLAP).names == ["propagate", "solve", "redistribute", "localize", "emit", "bucket",
-                                                "inplace", "overlap"]
+    assert DEFAULT.names == ["propagate", "solve", "redistribute", "localize", "emit", "bucket", "inplace", "overlap"]
+    assert DEFAULT.with_pass(OVERLAP) is DEFAULT
+    assert DEFAULT.without("overlap").names == DEFAULT.names[:-1]
+    with pytest.raises(ShardingError, match="no pass 'overlapp'.*'overlap'"):
+        DEFAULT.without("overlapp")
 
 
 def _drop_a_wait(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
@@ -54,18 +57,53 @@ def test_verifier_names_the_pass_that_broke_a_fact(mesh2):
 
 
 def test_overlap_pass_schedules_as_overlap_does(mesh2):
-    """The OVERLAP pass in the pipeline gives the programs ``fxshard.compile.overlap`` gives afterwards."""
+    """The default pipeline's OVERLAP pass gives the programs ``fxshard.compile.overlap`` gives a module
+    sharded without it, where that schedule keeps the peak memory (here)."""
     from fxshard.compile import overlap
 
     model = models.ToyModel(16, 32)
     plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
     x = torch.randn(8, 16, requires_grad=True)  # the input gradient's all_reduce can overlap the weight grads
-    piped = fxshard.shard(model, mesh2, plan, example_inputs=(x,), pipeline=DEFAULT.with_pass(OVERLAP))
-    after = overlap(fxshard.shard(model, mesh2, plan, example_inputs=(x,)))
-    plain = fxshard.shard(model, mesh2, plan, example_inputs=(x,))
+    unscheduled = DEFAULT.without("overlap")
+    piped = fxshard.shard(model, mesh2, plan, example_inputs=(x,))
+    after = overlap(fxshard.shard(model, mesh2, plan, example_inputs=(x,), pipeline=unscheduled))
+    plain = fxshard.shard(model, mesh2, plan, example_inputs=(x,), pipeline=unscheduled)
     codes = [[p.gm.code for p in sm._programs()] for sm in (piped, after, plain)]
     assert codes[0] == codes[1]
     assert codes[0] != codes[2]  # the schedule changed something (the input gradient's all_reduce moves up)
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, n: int, d: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d, bias=False) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_overlap_pass_keeps_the_order_where_overlap_would_raise_peak_memory(mesh2):
+    """Weights stored split and gathered before use (the batch is larger than the weights, so gathering
+    them is cheapest): the overlap schedule would issue all six weight all_gathers at the start and hold
+    every gathered weight at once. The default pipeline keeps each gather before its layer."""
+    from fxshard.compile import overlap
+    from fxshard.memory import program_peak
+    from fxshard.passes.overlap import PEAK_SLACK
+
+    model = _Chain(6, 256).requires_grad_(False)
+    plan = {f"layers.{i}.weight": fxshard.P("tp") for i in range(6)}
+    x = torch.randn(1024, 256)
+    unscheduled = DEFAULT.without("overlap")
+    sms = [fxshard.shard(model, mesh2, plan, example_inputs=(x,), pipeline=p) for p in (DEFAULT, unscheduled, unscheduled)]
+    default, plain, forced = sms[0], sms[1], overlap(sms[2])
+    assert fxshard.comm_stats(default)["forward"]["all_gather"]["count"] == 6
+    peak = {name: program_peak(sm._programs()[0].gm, (2,), "cpu", coords=(0,))
+            for name, sm in (("default", default), ("plain", plain), ("forced", forced))}
+    assert peak["forced"] > peak["plain"] * (1 + PEAK_SLACK), peak  # what the check keeps out
+    assert [p.gm.code for p in default._programs()] == [p.gm.code for p in plain._programs()]
+    assert peak["default"] == peak["plain"]
 
 
 class _UserAllReduce(torch.nn.Module):

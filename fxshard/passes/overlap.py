@@ -10,6 +10,8 @@ the first consumer (buffers die early, seed 002); this pass trades that for over
 from __future__ import annotations
 
 import heapq
+import logging
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -18,7 +20,11 @@ from ..context import ShardContext
 from ..errors import ShardingError
 from ..ir import COMM_KEY
 
-__all__ = ["overlap_pass", "reorder_for_overlap", "collective_groups"]
+__all__ = ["overlap_pass", "reorder_for_overlap", "overlap_order", "collective_groups"]
+
+logger = logging.getLogger(__name__)
+
+PEAK_SLACK = 0.01  # the overlap order may raise a program's modelled peak memory by at most this fraction
 
 c10d = torch.ops._c10d_functional
 
@@ -54,10 +60,18 @@ def reorder_for_overlap(gm: fx.GraphModule) -> fx.GraphModule:
     and its wait. Collectives, random ops and mutating ops keep their original relative order
     (every rank issues the same collective sequence; random draws stay bit-identical to eager).
     """
-    g = gm.graph
+    order = overlap_order(gm.graph)
+    if order is not None:
+        _place(gm.graph, order)
+        gm.recompile()
+    return gm
+
+
+def overlap_order(g: fx.Graph) -> Optional[list[fx.Node]]:
+    """The node order :func:`reorder_for_overlap` gives ``g`` (None: ``g`` has no collective)."""
     groups = collective_groups(g)
     if not groups:
-        return gm
+        return None
     nodes = list(g.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     waits = {w for _c, w in groups}
@@ -110,15 +124,43 @@ def reorder_for_overlap(gm: fx.GraphModule) -> fx.GraphModule:
                 heapq.heappush(ready, (key(u), index[u], u))
     if len(order) != len(nodes):
         raise ShardingError("internal: reorder_for_overlap could not schedule every node; please report this graph")
+    return order
+
+
+def _place(g: fx.Graph, order: list[fx.Node]) -> None:
+    """Put ``g``'s nodes in ``order`` (a topological order of all of them)."""
     for prev, n in zip(order, order[1:]):
         prev.append(n)
     g.lint()
-    gm.recompile()
-    return gm
-
-
 
 
 def overlap_pass(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
-    """The pipeline form of :func:`reorder_for_overlap`."""
-    return reorder_for_overlap(gm)
+    """The pipeline stage (``pipeline.OVERLAP``, in ``DEFAULT``): :func:`reorder_for_overlap`, kept only
+    where it does not raise the program's peak memory. Returns ``gm`` (changed in place).
+
+    Requires a finished per-rank program (see :func:`reorder_for_overlap`). Ensures: ``gm`` in the overlap
+    order when the liveness model of ``fxshard.memory`` (this rank's local shapes, each value live from the
+    op that makes it to its last use) gives it a peak at most ``PEAK_SLACK`` (1%) above the program's own
+    order's, else in its own order. Issuing a collective early can make its output live longer (e.g. a parameter all-gather
+    hoisted to the start of the program); the check keeps such a schedule out."""
+    order = overlap_order(gm.graph)
+    if order is None:
+        return gm
+    from ..memory import local_bytes, liveness_peak  # memory imports the description, which imports passes
+
+    own = list(gm.graph.nodes)
+    try:
+        nbytes = local_bytes(gm, ctx.mesh, ctx.program_inputs() if ctx.program_inputs else ())
+    except Exception as e:  # noqa: BLE001 - no model of the program's memory: keep the order that needs none
+        logger.debug("overlap: kept the program's own order; its memory could not be modelled: %s: %s",
+                     type(e).__name__, e)
+        return gm
+    before = liveness_peak(gm, nbytes)
+    _place(gm.graph, order)
+    after = liveness_peak(gm, nbytes)
+    if after > before * (1 + PEAK_SLACK):
+        logger.debug("overlap: kept the program's own order; the overlap order's peak %d bytes exceeds its %d",
+                     after, before)
+        _place(gm.graph, own)
+    gm.recompile()
+    return gm
