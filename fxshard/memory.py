@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
 
 from .collectives import all_reduce_into_input, hint
 from .description import Sharding, sharding_of
@@ -43,7 +44,9 @@ def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None, given: Sequ
     """Run ``gm`` on fake local tensors on ``device``; the value every node produces. ``coords`` (this rank's
     mesh coordinates) sizes unevenly split inputs as the rank-specific program expects; ``given`` are the
     values of the first placeholders (a backward's saved values, as its forward computed them)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    # the mode the given values were made in (a forward's), so they need no conversion into a new one
+    mode = next((t.fake_mode for t in pytree.tree_leaves(list(given)) if isinstance(t, FakeTensor)), None)
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     vals: dict[fx.Node, Any] = {}
     def make(spec: Any, v: Any) -> Any:
         if isinstance(spec, Spec):
