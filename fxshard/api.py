@@ -16,7 +16,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
-from .memory import memory as memory_report, output_values
+from .memory import memory as memory_report, output_values, remembering_values
 from .sizes import fmt_bytes
 from .consistency import fingerprint
 from .cost import linked_mesh_info
@@ -355,9 +355,10 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm, remat, ctx.mesh.sizes)
-    fwd = pipeline.finish(split.fwd, jctx)
-    saved = lambda: output_values(fwd, ctx.mesh)[joint.n_out:]  # noqa: E731
-    bwd = pipeline.finish(split.bwd, replace(jctx, program_inputs=saved), "backward")
+    with remembering_values():  # the forward's fake run (overlap pass) gives its backward the saved values
+        fwd = pipeline.finish(split.fwd, jctx)
+        saved = lambda: output_values(fwd, ctx.mesh)[joint.n_out:]  # noqa: E731
+        bwd = pipeline.finish(split.bwd, replace(jctx, program_inputs=saved), "backward")
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(fwd, "forward", fb), Program(bwd, "backward", fb), joint.n_out,

@@ -14,8 +14,9 @@ than a shallow one (seed 002).
 from __future__ import annotations
 
 import operator
-import weakref
-from typing import Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -33,7 +34,7 @@ from .symbolic import sym_dim, sym_shape
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-__all__ = ["memory", "program_peak", "local_values", "local_bytes", "output_values", "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
+__all__ = ["memory", "program_peak", "local_values", "local_bytes", "output_values", "remembering_values", "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}
@@ -72,19 +73,34 @@ def _local_vals(gm: fx.GraphModule, sizes, device: str, coords=None, given: Sequ
     return vals
 
 
-_LOCAL_VALS: "weakref.WeakKeyDictionary[fx.GraphModule, tuple]" = weakref.WeakKeyDictionary()
+# per-program fake values, kept only inside ``remembering_values()`` (one ``shard()``'s finishing of its
+# training programs), so nothing outlives the call and no program rewritten later is read stale
+_REMEMBERED: ContextVar[Optional[dict]] = ContextVar("fxshard_local_values", default=None)
+
+
+@contextmanager
+def remembering_values() -> Iterator[None]:
+    """Within the block, :func:`local_values` interprets each program (with the same nodes, any order)
+    once; the values are dropped when the block ends."""
+    token = _REMEMBERED.set({})
+    try:
+        yield
+    finally:
+        _REMEMBERED.reset(token)
 
 
 def local_values(gm: fx.GraphModule, mesh: Any, given: Sequence[Any] = ()) -> dict[fx.Node, Any]:
     """The fake local value every node of the per-rank program ``gm`` makes on this rank of ``mesh`` (a
-    ``MeshInfo``); ``given`` as in ``_local_vals``. Remembered per program while its nodes stay the same
-    (a reordering keeps every value), so the passes and ``_shard_training`` interpret a program once."""
+    ``MeshInfo``); ``given`` as in ``_local_vals``. Inside :func:`remembering_values` a program whose
+    nodes are the same (a reordering keeps every value) is interpreted once."""
+    memo = _REMEMBERED.get()
     key = (frozenset(gm.graph.nodes), mesh.sizes, mesh.coords, mesh.device_type, len(given))
-    hit = _LOCAL_VALS.get(gm)
-    if hit is not None and hit[0] == key:
-        return hit[1]
+    hit = memo.get(id(gm)) if memo is not None else None
+    if hit is not None and hit[0] is gm and hit[1] == key:
+        return hit[2]
     vals = _local_vals(gm, mesh.sizes, mesh.device_type, mesh.coords, given)
-    _LOCAL_VALS[gm] = (key, vals)
+    if memo is not None:
+        memo[id(gm)] = (gm, key, vals)
     return vals
 
 
@@ -200,7 +216,7 @@ def _saved(view: Sharding) -> tuple[int, list[Any]]:
     parameters and buffers are not counted: they are held anyway), and the saved values (fake, local)."""
     tr = view.training
     gm = tr.fwd.gm
-    vals = local_values(gm, view.mesh)
+    vals = _local_vals(gm, view.mesh.sizes, view.mesh.device_type, view.mesh.coords)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     saved = list(out.args[0])[tr.n_out:]
     owners = set()  # a saved view counts as the storage it views, once
