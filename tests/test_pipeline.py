@@ -119,3 +119,20 @@ class _UserAllReduce(torch.nn.Module):
 def test_verifier_accepts_the_models_own_collectives(mesh2):
     sm = fxshard.shard(_UserAllReduce(), mesh2, {}, example_inputs=(torch.randn(4, 4),))
     assert fxshard.comm_stats(sm)["forward"] == {}  # fxshard inserted nothing; the model's all_reduce stays
+
+
+def test_verifier_treats_every_layout_on_a_one_rank_axis_as_the_same(fake_mesh):
+    """On a mesh axis of one rank, S(0) and R hold the same local value; the redistribute pass (rightly)
+    moves nothing between them, and the verifier used to call that a broken 'arrive' fact (a dp=1 x tp=2
+    mesh with the Megatron Llama plan)."""
+    from examples.llama_shapes import PLAN
+
+    mesh = fake_mesh(2, shape=(1, 2), names=("dp", "tp"))
+    model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    sm = fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), planner="greedy")
+    from fxshard.inspect import collectives
+
+    assert fxshard.comm_stats(sm)["backward"]["all_reduce"]["count"] > 0  # tp's collectives are there
+    axes = {c["axis"] for prog in sm._programs() for c in collectives(prog)}
+    assert axes and not any("dp" in str(a) for a in axes), axes

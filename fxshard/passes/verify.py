@@ -58,11 +58,12 @@ def _need(ok: bool, msg: str) -> None:
         raise _Broken(msg)
 
 
-def _same_local(have: tuple, want: tuple, coords: Sequence[int]) -> bool:
-    """Whether a value laid out as ``have`` is, on this rank, already laid out as ``want``: equal, or
-    replicated where a max/min Partial (or a sum Partial on coordinate 0, the others hold zeros) is wanted."""
-    return all(h == w or (h == R and isinstance(w, Part) and (w.op != "sum" or c == 0))
-               for h, w, c in zip(have, want, coords))
+def _same_local(have: tuple, want: tuple, coords: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether a value laid out as ``have`` is, on this rank, already laid out as ``want``: equal, on an
+    axis of one rank (where every layout is the whole value), or replicated where a max/min Partial (or a
+    sum Partial on coordinate 0, the others hold zeros) is wanted."""
+    return all(h == w or k == 1 or (h == R and isinstance(w, Part) and (w.op != "sum" or c == 0))
+               for h, w, c, k in zip(have, want, coords, sizes))
 
 
 def _traced(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
@@ -117,7 +118,7 @@ def _arrive(gm: fx.GraphModule, ctx: ShardContext, facts: set[str]) -> None:
             spec = inp.meta.get(META_KEY)
             # a saved value fxshard inserted (a layout copy) is local already and carries no spec
             if isinstance(spec, Spec) and (inp.op == "placeholder" or len(ins) == len(req)):
-                _need(_same_local(spec.placements, tuple(want), coords),
+                _need(_same_local(spec.placements, tuple(want), coords, ctx.mesh.sizes),
                       f"{n.name} reads input {i} {inp.name} laid out {spec} but needs {want}")
 
 
