@@ -34,7 +34,8 @@ from .symbolic import sym_dim, sym_shape
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-__all__ = ["memory", "program_peak", "local_values", "local_bytes", "output_values", "remembering_values", "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
+__all__ = ["memory", "program_peak", "local_values", "local_bytes", "output_values", "remembering_values",
+           "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
 OPTIMIZER_STATES = {None: 0, "sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 1}

@@ -96,7 +96,8 @@ def test_overlap_pass_keeps_the_order_where_overlap_would_raise_peak_memory(mesh
     plan = {f"layers.{i}.weight": fxshard.P("tp") for i in range(6)}
     x = torch.randn(1024, 256)
     unscheduled = DEFAULT.without("overlap")
-    sms = [fxshard.shard(model, mesh2, plan, example_inputs=(x,), pipeline=p) for p in (DEFAULT, unscheduled, unscheduled)]
+    sms = [fxshard.shard(model, mesh2, plan, example_inputs=(x,), pipeline=p)
+           for p in (DEFAULT, unscheduled, unscheduled)]
     default, plain, forced = sms[0], sms[1], overlap(sms[2])
     assert fxshard.comm_stats(default)["forward"]["all_gather"]["count"] == 6
     peak = {name: program_peak(sm._programs()[0].gm, (2,), "cpu", coords=(0,))

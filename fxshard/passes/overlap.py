@@ -140,9 +140,10 @@ def overlap_pass(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
 
     Requires a finished per-rank program (see :func:`reorder_for_overlap`). Ensures: ``gm`` in the overlap
     order when the liveness model of ``fxshard.memory`` (this rank's local shapes, each value live from the
-    op that makes it to its last use) gives it a peak at most ``PEAK_SLACK`` (1%) above the program's own
-    order's, else in its own order. Issuing a collective early can make its output live longer (e.g. a parameter all-gather
-    hoisted to the start of the program); the check keeps such a schedule out."""
+    op that makes it to its last use, a collective's inputs until its wait) gives it a peak at most
+    ``PEAK_SLACK`` (1%) above the program's own order's, else in its own order. Issuing a collective early
+    can make its output live longer (e.g. a parameter all-gather hoisted to the start of the program);
+    the check keeps such a schedule out."""
     order = overlap_order(gm.graph)
     if order is None:
         return gm
