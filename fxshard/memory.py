@@ -115,7 +115,10 @@ def local_bytes(gm: fx.GraphModule, mesh: Any, given: Sequence[Any] = ()) -> Cal
 def output_values(gm: fx.GraphModule, mesh: Any) -> list[Any]:
     """The fake local values of ``gm``'s output leaves, in order (a training forward's saved values follow its
     outputs: the ``given`` of its backward)."""
-    vals = local_values(gm, mesh)
+    return _outputs(gm, local_values(gm, mesh))
+
+
+def _outputs(gm: fx.GraphModule, vals: dict[fx.Node, Any]) -> list[Any]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     return [vals[a] if isinstance(a, fx.Node) else a for a in output_leaves(out)]
 
@@ -174,13 +177,12 @@ def liveness(gm: fx.GraphModule, inputs_live: bool = False, outputs_live: bool =
     owner = lambda n: base.get(n, n)
     last: dict[fx.Node, int] = {}
     for n in nodes:
-        for a in n.all_input_nodes:
+        reads = n.all_input_nodes
+        if n.op == "call_function" and n.target is _WAIT and isinstance(n.args[0], fx.Node):
+            reads = reads + n.args[0].all_input_nodes  # a collective holds its inputs until it is waited for
+        for a in reads:
             o = owner(a)
             last[o] = max(last.get(o, 0), pos[n])
-        if n.op == "call_function" and n.target is _WAIT and isinstance(n.args[0], fx.Node):
-            for a in n.args[0].all_input_nodes:  # a collective holds its inputs until it is waited for
-                o = owner(a)
-                last[o] = max(last.get(o, 0), pos[n])
     out_node = nodes[-1]
     end = len(nodes)
     if outputs_live:
@@ -217,7 +219,7 @@ def _saved(view: Sharding) -> tuple[int, list[Any]]:
     parameters and buffers are not counted: they are held anyway), and the saved values (fake, local)."""
     tr = view.training
     gm = tr.fwd.gm
-    vals = _local_vals(gm, view.mesh.sizes, view.mesh.device_type, view.mesh.coords)
+    vals = local_values(gm, view.mesh)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     saved = list(out.args[0])[tr.n_out:]
     owners = set()  # a saved view counts as the storage it views, once
@@ -226,7 +228,7 @@ def _saved(view: Sharding) -> tuple[int, list[Any]]:
             s = s.args[0]
         if isinstance(s, fx.Node) and s.op != "placeholder":
             owners.add(s)
-    return sum(_nbytes(vals.get(s)) for s in owners), [vals[s] if isinstance(s, fx.Node) else s for s in saved]
+    return sum(_nbytes(vals.get(s)) for s in owners), _outputs(gm, vals)[tr.n_out:]
 
 
 def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:

@@ -19,9 +19,9 @@ reason is logged at DEBUG.
    gradient (a primal that gets one, or an op output autograd marks so: read from the op run once on
    fake tensors per signature; stop-gradients never). The forward decomposition traces each op here (under
    ``no_grad``, as the whole re-trace does), and its consumers see the values the traced copies
-   make, not export's record of them (the joint reads the forward graph's values, which its own
-   trace made) (a decomposition may lay its result out differently, and the
-   next op's decomposition can depend on strides).
+   make, not export's record of them (a decomposition may lay its result out differently, and the
+   next op's decomposition can depend on strides; the joint reads the forward graph's values, which
+   its own trace made).
 2. Joint only, backward in reverse: the gradients reaching each op's outputs (tangents of the
    differentiable outputs first, then each consumer's gradient in the order autograd's engine adds
    them). An op with gradients is traced by itself, forward and backward, by the whole trace's

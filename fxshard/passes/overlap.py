@@ -162,6 +162,7 @@ def overlap_pass(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     if after > before * (1 + PEAK_SLACK):
         logger.debug("overlap: kept the program's own order; the overlap order's peak %d bytes exceeds its %d",
                      after, before)
-        _place(gm.graph, own)
-    gm.recompile()
+        _place(gm.graph, own)  # the code compiled for this order is still current
+    else:
+        gm.recompile()
     return gm
