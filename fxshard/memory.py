@@ -13,6 +13,7 @@ than a shallow one (seed 002).
 
 from __future__ import annotations
 
+import bisect
 import operator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -192,14 +193,13 @@ def liveness(gm: fx.GraphModule, inputs_live: bool = False, outputs_live: bool =
     skip = {placeholders[i] for i in not_counted}
     values = [n for n in nodes if (n.op == "placeholder" and inputs_live and n not in skip)
               or (n.op == "call_function" and n not in base)]
-    step = {pos[n]: t for t, n in enumerate(values)}
+    at = [pos[n] for n in values]
     frees: dict[int, list[fx.Node]] = {}
     for n in values:
-        # freed once the step at its last use has allocated; a last use that allocates nothing (a view, the
-        # output) keeps it to the end
-        t = step.get(last.get(n, pos[n]))
-        if t is not None:
-            frees.setdefault(t, []).append(n)
+        # freed after the last step that allocates at or before its last use (a last use that allocates
+        # nothing, such as a wait or a view, frees it before the next allocation)
+        t = bisect.bisect_right(at, last.get(n, pos[n])) - 1
+        frees.setdefault(t, []).append(n)
     return values, frees
 
 

@@ -238,6 +238,9 @@ def _worker_main(conn: Any, rank: int, world_size: int, port: int, init_timeout:
     """
     import faulthandler
 
+    # A rank that crashes (SIGSEGV, SIGABRT from a heap check) prints every thread's Python stack to fd 2,
+    # which each call points at the parent's stderr.
+    faulthandler.enable(all_threads=True)
     # The parent sends SIGUSR1 to a hung rank to get its Python stacks.
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)

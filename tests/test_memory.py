@@ -59,7 +59,8 @@ def test_a_collective_holds_its_input_until_it_is_waited_for():
     """``x`` is read only by an out-of-place all_gather, but the collective holds it until its wait: an
     op issued in between (``y``) runs with ``x`` still allocated. Modelled as freed at the issue, the
     peak would miss ``x`` (and the overlap schedule, which puts work between issue and wait, would look
-    cheaper than it is)."""
+    cheaper than it is). The wait allocates nothing (it returns the gathered buffer), yet it frees ``x``:
+    an op after it (``y2``) runs without ``x``."""
     import torch.fx as fx
 
     from fxshard.memory import liveness_peak
@@ -71,10 +72,13 @@ def test_a_collective_holds_its_input_until_it_is_waited_for():
     gathered = g.call_function(c10d.all_gather_into_tensor.default, (x, 2, "0"))
     y = g.call_function(torch.ops.aten.mul.Tensor, (a, 3))
     w = g.call_function(c10d.wait_tensor.default, (gathered,))
-    g.output((g.call_function(torch.ops.aten.add.Tensor, (w, y)),))
-    sizes = {x: 100, gathered: 200, y: 1000}
+    y2 = g.call_function(torch.ops.aten.mul.Tensor, (y, 4))  # after the wait: x is gone
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (w, y2)),))
+    sizes = {x: 100, gathered: 200, y: 1000, y2: 5000}
     peak = liveness_peak(fx.GraphModule(torch.nn.Module(), g), lambda n: sizes.get(n, 0))
-    assert peak == 100 + 200 + 1000
+    assert peak == 200 + 1000 + 5000  # at y2; x (freed at the wait, which allocates nothing) is not counted
+    sizes[y2] = 0
+    assert liveness_peak(fx.GraphModule(torch.nn.Module(), g), lambda n: sizes.get(n, 0)) == 100 + 200 + 1000
 
 
 class LiveBytes(TorchDispatchMode):

@@ -531,11 +531,13 @@ def sweep_rank(rank: int, world: int, names: Optional[list[str]] = None, verbose
     batches = [[c] for c in alone] + [rest[i:i + BATCH] for i in range(0, len(rest), BATCH)]
     m = _Mesh(world)
     contaminated: list[str] = []
-    for b in batches:
+    for k, b in enumerate(batches):
+        if rank == 0:  # pytest shows this only when the test fails: which batch a crashed rank was in
+            print(f"batch {k + 1}/{len(batches)}: {' '.join(c.op for c in b)}", file=sys.stderr, flush=True)
         t1 = time.perf_counter()
         rows += run_batch(b, m, rank, world, contaminated)
         if rank == 0 and verbose:
-            print(f"{time.perf_counter() - t1:5.1f}s {' '.join(c.op for c in b)}", file=sys.stderr, flush=True)
+            print(f"  {time.perf_counter() - t1:5.1f}s", file=sys.stderr, flush=True)
     return rows + [Row(op, -1, "-", "contaminated", detail=op) for op in contaminated]
 
 
