@@ -164,7 +164,7 @@ def liveness_peak_of(values: list[fx.Node], frees: dict[int, list[fx.Node]], nby
 def liveness(gm: fx.GraphModule, inputs_live: bool = False, outputs_live: bool = True,
              not_counted: frozenset = frozenset()) -> tuple[list[fx.Node], dict[int, list[fx.Node]]]:
     """The values ``gm`` allocates, in order (step ``t`` allocates ``values[t]``), and the values freed
-    after each step (``frees[t]``; a value never freed stays live to the end). This is what
+    after each step (``frees[t]``; every value is in one, an output in the last step's). This is what
     :func:`liveness_peak` sums: at step ``t`` the live values are those allocated at or before ``t`` and
     not freed before ``t``."""
     nodes = list(gm.graph.nodes)

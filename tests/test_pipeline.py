@@ -127,13 +127,12 @@ def test_verifier_treats_every_layout_on_a_one_rank_axis_as_the_same(fake_mesh):
     moves nothing between them, and the verifier used to call that a broken 'arrive' fact (a dp=1 x tp=2
     mesh with the Megatron Llama plan)."""
     from examples.llama_shapes import PLAN
+    from fxshard.inspect import collectives
 
     mesh = fake_mesh(2, shape=(1, 2), names=("dp", "tp"))
     model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)
     tokens = torch.zeros(2, 16, dtype=torch.long)
     sm = fxshard.shard(model, mesh, PLAN, example_inputs=(tokens, tokens), planner="greedy")
-    from fxshard.inspect import collectives
-
     assert fxshard.comm_stats(sm)["backward"]["all_reduce"]["count"] > 0  # tp's collectives are there
     axes = {c["axis"] for prog in sm._programs() for c in collectives(prog)}
     assert axes and not any("dp" in str(a) for a in axes), axes
