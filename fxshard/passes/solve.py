@@ -14,12 +14,13 @@ admits, exactly one chosen; pairs of per-axis strategies that split a dim illega
 exclude each other. Per value, axis and consumer, the producer's output placement ``q`` and the
 consumer's required placement ``p`` are coupled by ``e[q, p]`` with both marginals (the local
 polytope, tight on chains and trees); ``z[q, p] >= e[q, p]`` over all consumers of the value pays
-``price(q -> p)`` once. HiGHS solves it through ``scipy.optimize.milp``.
+``price(q -> p)`` once. HiGHS solves it through ``scipy.optimize.milp``, in a child process (``fxshard.milp``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import logging
 import math
@@ -33,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from .. import milp
 from ..clusters import node_classes
 from ..consistency import check_same_on_all_ranks, on_lead
 from ..constrain import CONSTRAIN_OP
@@ -608,11 +610,12 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     """
     try:
         import numpy as np
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import csr_array
+        if importlib.util.find_spec("scipy") is None:
+            raise ImportError("No module named 'scipy'")
     except ImportError as e:
         raise ShardingError(f"planner='global' solves a MILP with HiGHS through scipy, which is not installed "
                             f"({e}); pip install 'scipy>=1.11' (or fxshard[solve]), or use planner='greedy'") from e
+    milp.prestart()
     t0 = time.perf_counter()
     best = {name: nv.greedy for name, nv in problem.nodes.items()}
     greedy_cost = plan_cost(problem, best)
@@ -623,14 +626,13 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
         if extend is not None:
             extend(m, x)
         for _ in range(MAX_ROUNDS):
-            a = csr_array((m.coef, (m.rows, m.cols)), shape=(len(m.row_lb), len(m.cost)))
-            res = milp(np.array(m.cost), integrality=np.array(m.integer),
-                       bounds=Bounds(np.array(m.lb), np.array(m.ub)),
-                       constraints=LinearConstraint(a, np.array(m.row_lb), np.array(m.row_ub)),
-                       options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": gap,
-                                **({} if time_limit is None else {"time_limit": time_limit})})
+            res = milp.solve(*(np.asarray(v) for v in (m.cost, m.integer, m.lb, m.ub, m.rows, m.cols, m.coef,
+                                                       m.row_lb, m.row_ub)),
+                             options={"disp": bool(os.environ.get("FXSHARD_SOLVER_LOG")), "mip_rel_gap": gap,
+                                      **({} if time_limit is None else {"time_limit": time_limit})})
             if time_limit is not None and res.x is not None and res.status == 1:
-                LOG.info("MILP stopped at its time limit (%.0f s), gap %.3g", time_limit, getattr(res, "mip_gap", -1))
+                LOG.info("MILP stopped at its time limit (%.0f s), gap %.3g", time_limit,
+                         -1 if res.mip_gap is None else res.mip_gap)
             elif res.x is None or not res.success:
                 raise ShardingError(f"internal: the global planner's MILP found no plan ({res.message}); "
                                     f"use planner='greedy' and please report this model")

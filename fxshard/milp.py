@@ -1,0 +1,130 @@
+"""MILPs solved by HiGHS (``scipy.optimize.milp``) in a child process, so that a solver crash cannot corrupt the caller.
+
+HiGHS's MIP search has had heap-corruption bugs (e.g. FlexMeasures issue 2527: aborts in HiGHS 1.12 and
+1.15 that depend on the search path, hence on time limits and load). Inside a rank a corrupted heap does not
+fail the solve: it aborts the rank later, at some unrelated ``malloc`` ("unaligned tcache chunk detected"),
+and its peers then fail on a closed connection. So the planner's MILPs run in one long-lived child per
+process (``milp_child.py``: numpy and scipy only, started on first use or by :func:`prestart`, ended when
+this process ends). A child that dies mid-solve is replaced and the problem solved once more with presolve
+off (another search path); a second death is a :class:`~fxshard.errors.ShardingError`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .errors import ShardingError
+
+__all__ = ["Result", "solve", "prestart"]
+
+LOG = logging.getLogger("fxshard.milp")
+_SCRIPT = Path(__file__).with_name("milp_child.py")
+_LOCK = threading.Lock()
+_child: Optional[subprocess.Popen] = None
+
+
+@dataclass(frozen=True)
+class Result:
+    """What ``scipy.optimize.milp`` returned: ``x`` (None when no solution was found), HiGHS's ``status``
+    (0 optimal, 1 time or iteration limit), ``success``, ``message`` and the relative ``mip_gap``."""
+
+    x: Any
+    status: int
+    success: bool
+    message: str
+    mip_gap: Optional[float]
+
+
+def _command() -> list[str]:
+    # -P: the script's directory (fxshard/, holding e.g. inspect.py) must not shadow the standard library
+    return [sys.executable, "-P", str(_SCRIPT)]
+
+
+def _running() -> subprocess.Popen:
+    global _child
+    if _child is None or _child.poll() is not None:
+        _child = subprocess.Popen(_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    return _child
+
+
+def _discard(child: subprocess.Popen) -> str:
+    """Kill ``child`` if it still runs, forget it, and say how it ended."""
+    global _child
+    if child.poll() is None:
+        child.kill()
+    code = child.wait()
+    if _child is child:
+        _child = None
+    for pipe in (child.stdin, child.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def prestart() -> None:
+    """Start the solver's process now, so that its imports (about half a second) overlap the caller's work.
+
+    Ensures: a live child exists (unless starting one raised OSError, which the first solve reports)."""
+    with _LOCK:
+        try:
+            _running()
+        except OSError:
+            pass
+
+
+def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub: Sequence[float],
+          rows: Sequence[int], cols: Sequence[int], coef: Sequence[float], row_lb: Sequence[float],
+          row_ub: Sequence[float], options: dict[str, Any]) -> Result:
+    """Minimise ``cost @ x`` subject to ``lb <= x <= ub``, ``row_lb <= A @ x <= row_ub`` (``A[rows[k], cols[k]] =
+    coef[k]``, duplicates summed) and ``x[i]`` integral where ``integer[i]``, with ``scipy.optimize.milp``'s
+    ``options``, in the solver's process.
+
+    Ensures: the result scipy would give in this process. Raises ShardingError when scipy cannot be
+    imported there, when building or solving raised, or when the process died on the problem twice (the
+    second time with presolve off)."""
+    req = {"cost": cost, "integer": integer, "lb": lb, "ub": ub, "rows": rows, "cols": cols, "coef": coef,
+           "row_lb": row_lb, "row_ub": row_ub}
+    deaths: list[str] = []
+    for opts in (options, {**options, "presolve": False}):
+        with _LOCK:
+            try:
+                child = _running()
+            except OSError as e:
+                raise ShardingError(f"the global planner could not start its MILP solver's process "
+                                    f"({' '.join(_command())}: {e}); use planner='greedy'") from e
+            try:
+                pickle.dump({**req, "options": opts}, child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                child.stdin.flush()
+                reply = pickle.load(child.stdout)
+            except (EOFError, OSError, pickle.UnpicklingError):
+                deaths.append(_discard(child))
+                continue
+            except BaseException:  # e.g. KeyboardInterrupt: the child's next reply would answer this request
+                _discard(child)
+                raise
+        if "error" in reply:
+            raise ShardingError(f"the global planner's MILP failed in scipy ({reply['error']}); scipy>=1.11 must "
+                                f"import in a plain `{sys.executable}` (pip install 'scipy>=1.11', or fxshard[solve]), "
+                                f"or use planner='greedy'")
+        if deaths:
+            LOG.warning("the MILP solver's process %s on a problem of %d variables and %d rows; solved again "
+                        "with presolve off", deaths[0], len(cost), len(row_lb))
+        return Result(**reply)
+    raise ShardingError(f"the global planner's MILP solver (HiGHS via scipy) crashed twice on a problem of "
+                        f"{len(cost)} variables and {len(row_lb)} rows (its process {'; then '.join(deaths)}; this "
+                        f"process is unharmed); use planner='greedy', and please report the model")

@@ -1,0 +1,106 @@
+"""fxshard.milp: the planner's MILPs run in a child process; a crash there is retried once, then a ShardingError."""
+
+import logging
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+from scipy.optimize import Bounds, LinearConstraint, milp as scipy_milp
+from scipy.sparse import csr_array
+
+from fxshard import milp
+from fxshard.errors import ShardingError
+
+
+def _assignment(n: int = 12, seed: int = 0) -> dict:
+    """n jobs on 3 machines (binary x[j, k], each job on one machine), a capacity per machine, random costs."""
+    rng = np.random.default_rng(seed)
+    cost = rng.uniform(1, 10, size=3 * n)
+    size = rng.uniform(1, 4, size=n)
+    rows, cols, coef = [], [], []
+    for j in range(n):  # each job placed once
+        for k in range(3):
+            rows.append(j), cols.append(3 * j + k), coef.append(1.0)
+    for k in range(3):  # machine k's load
+        for j in range(n):
+            rows.append(n + k), cols.append(3 * j + k), coef.append(size[j])
+    cap = size.sum() / 2.5
+    return {"cost": cost, "integer": np.ones(3 * n), "lb": np.zeros(3 * n), "ub": np.ones(3 * n),
+            "rows": np.array(rows), "cols": np.array(cols), "coef": np.array(coef),
+            "row_lb": np.array([1.0] * n + [-np.inf] * 3), "row_ub": np.array([1.0] * n + [cap] * 3)}
+
+
+def _in_process(p: dict):
+    a = csr_array((p["coef"], (p["rows"], p["cols"])), shape=(len(p["row_lb"]), len(p["cost"])))
+    return scipy_milp(p["cost"], integrality=p["integer"], bounds=Bounds(p["lb"], p["ub"]),
+                      constraints=LinearConstraint(a, p["row_lb"], p["row_ub"]))
+
+
+@pytest.fixture
+def fresh_child():
+    """Each test starts without a solver process and leaves none behind."""
+    def reset():
+        if milp._child is not None:
+            milp._discard(milp._child)
+    reset()
+    yield
+    reset()
+
+
+def _crashing_child(tmp_path, times: int) -> list[str]:
+    """A solver command whose first ``times`` processes read a request and abort (SIGABRT, as a corrupted heap
+    does); later ones are the real child."""
+    count = tmp_path / "starts"
+    code = ("import os, pickle, sys, runpy\n"
+            f"p = {str(count)!r}\n"
+            "n = int(open(p).read()) if os.path.exists(p) else 0\n"
+            "open(p, 'w').write(str(n + 1))\n"
+            f"if n < {times}:\n"
+            "    pickle.load(sys.stdin.buffer)\n"
+            "    os.abort()\n"
+            f"runpy.run_path({str(milp._SCRIPT)!r}, run_name='__main__')\n")
+    return [sys.executable, "-P", "-c", code]
+
+
+def test_the_child_solves_as_scipy_does_in_process_and_is_restarted_after_it_dies(fresh_child):
+    p = _assignment()
+    want = _in_process(p)
+    got = milp.solve(**p, options={})
+    assert want.status == 0 and got.status == 0 and got.success
+    assert np.array_equal(got.x, want.x) and got.x.sum() == 12  # every job placed, the same plan
+    first = milp._child.pid
+    assert first != os.getpid()
+    os.kill(first, signal.SIGKILL)  # died between solves (e.g. the OOM killer): the next solve starts another
+    milp._child.wait()
+    again = milp.solve(**_assignment(seed=1), options={})
+    assert np.array_equal(again.x, _in_process(_assignment(seed=1)).x)
+    assert milp._child.pid != first
+
+
+def test_a_solver_crash_is_solved_again_in_a_new_process_with_presolve_off(fresh_child, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(milp, "_command", lambda: _crashing_child(tmp_path, 1))
+    p = _assignment(seed=2)
+    with caplog.at_level(logging.WARNING, logger="fxshard.milp"):
+        got = milp.solve(**p, options={})
+    assert np.array_equal(got.x, _in_process(p).x)
+    assert (tmp_path / "starts").read_text() == "2"
+    assert "killed by SIGABRT" in caplog.text and "presolve off" in caplog.text, caplog.text
+
+
+def test_a_solver_that_crashes_twice_is_a_sharding_error(fresh_child, tmp_path, monkeypatch):
+    monkeypatch.setattr(milp, "_command", lambda: _crashing_child(tmp_path, 2))
+    with pytest.raises(ShardingError, match=r"crashed twice .*killed by SIGABRT; then killed by SIGABRT.*planner='greedy'"):
+        milp.solve(**_assignment(seed=3), options={})
+    assert milp._child is None
+
+
+def test_a_solver_error_is_a_sharding_error_and_the_child_lives_on(fresh_child):
+    p = _assignment()
+    with pytest.raises(ShardingError, match=r"MILP failed in scipy \(ValueError: .*planner='greedy'"):
+        milp.solve(**{**p, "lb": p["lb"][:-1]}, options={})  # bounds of the wrong length
+    child = milp._child
+    assert child is not None and child.poll() is None
+    assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
+    assert milp._child is child
