@@ -35,8 +35,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -335,21 +337,27 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         """The rounds change a parameter one axis at a time, each priced with the other axes as the previous
         plan laid them out, so a move that pays only when two axes change together (an embedding from
         hidden-split over dp to vocab-split over tp) is never taken. For the largest parameters, each
-        layout differing on two or more axes is pinned and the rest planned again; a plan that costs less
-        (exactly, ``plan_cost``) and fits is kept."""
+        layout differing from the rounds' on two or more axes is pinned and the rest planned again (the
+        trials are independent: they run at once, one solver process each, up to the CPUs this process
+        may use); the cheapest plan (exactly, ``plan_cost``; the first in trial order among equals) that
+        costs less than the rounds' and fits is kept."""
+        trials = [(name, lay) for name in sorted(options, key=lambda n: -max(cost[n]))[:PAIR_PARAMS]
+                  for lay in options[name] if sum(p != q for p, q in zip(lay, layout(name, picks))) >= 2]
+
+        def trial(t: tuple) -> Optional[dict]:
+            try:
+                return solve_problem(problem, rounds=PAIR_ROUNDS, extend=pinned(*t), gap=GAP,
+                                     time_limit=PAIR_TIME_LIMIT, patient=True, admissible=lambda p: False)
+            except ShardingError:  # nothing fits with this layout
+                return None
+
+        workers = max(1, min(len(trials), len(os.sched_getaffinity(0))))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxshard-pair-move") as pool:
+            planned = list(pool.map(trial, trials))
         best = plan_cost(problem, picks)
-        for name in sorted(options, key=lambda n: -max(cost[n]))[:PAIR_PARAMS]:
-            for lay in options[name]:
-                if sum(p != q for p, q in zip(lay, layout(name, picks))) < 2:
-                    continue
-                try:
-                    trial = solve_problem(problem, rounds=PAIR_ROUNDS, extend=pinned(name, lay), gap=GAP,
-                                          time_limit=PAIR_TIME_LIMIT, patient=True, admissible=lambda p: False)
-                except ShardingError:  # nothing fits with this layout
-                    continue
-                c = plan_cost(problem, trial)
-                if c < best and admissible(trial):
-                    picks, best = trial, c
+        for p in planned:
+            if p is not None and plan_cost(problem, p) < best and admissible(p):
+                picks, best = p, plan_cost(problem, p)
         return picks
 
     def plan() -> dict[str, tuple[int, ...]]:

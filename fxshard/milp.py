@@ -5,12 +5,14 @@ HiGHS's MIP search has had heap-corruption bugs (e.g. FlexMeasures issue 2527: a
 fail the solve: it aborts the rank later, at some unrelated ``malloc`` ("unaligned tcache chunk detected"),
 and its peers then fail on a closed connection. So the planner's MILPs run in one long-lived child per
 process (``milp_child.py``: numpy and scipy only, started on first use or by :func:`prestart`, ended when
-this process ends). A child that dies mid-solve is replaced and the problem solved once more with presolve
-off (another search path); a second death is a :class:`~fxshard.errors.ShardingError`.
+this process ends); callers solving at once from several threads each get a child of their own, so their
+MILPs run in parallel. A child that dies mid-solve is replaced and the problem solved once more with
+presolve off (another search path); a second death is a :class:`~fxshard.errors.ShardingError`.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import signal
@@ -23,12 +25,12 @@ from typing import Any, Optional, Sequence
 
 from .errors import ShardingError
 
-__all__ = ["Result", "solve", "prestart"]
+__all__ = ["Result", "solve", "prestart", "stop"]
 
 LOG = logging.getLogger("fxshard.milp")
 _SCRIPT = Path(__file__).with_name("milp_child.py")
 _LOCK = threading.Lock()
-_child: Optional[subprocess.Popen] = None
+_idle: list[subprocess.Popen] = []  # started children no solve is using
 
 
 @dataclass(frozen=True)
@@ -48,21 +50,31 @@ def _command() -> list[str]:
     return [sys.executable, "-P", str(_SCRIPT)]
 
 
-def _running() -> subprocess.Popen:
-    global _child
-    if _child is None or _child.poll() is not None:
-        _child = subprocess.Popen(_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    return _child
+def _start() -> subprocess.Popen:
+    return subprocess.Popen(_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def _take() -> subprocess.Popen:
+    """An idle live child, or a new one; the caller owns it until :func:`_give_back` or :func:`_discard`."""
+    with _LOCK:
+        while _idle:
+            child = _idle.pop()
+            if child.poll() is None:
+                return child
+            _discard(child)
+    return _start()
+
+
+def _give_back(child: subprocess.Popen) -> None:
+    with _LOCK:
+        _idle.append(child)
 
 
 def _discard(child: subprocess.Popen) -> str:
-    """Kill ``child`` if it still runs, forget it, and say how it ended."""
-    global _child
+    """Kill ``child`` if it still runs, close its pipes, and say how it ended (it must not be idle)."""
     if child.poll() is None:
         child.kill()
     code = child.wait()
-    if _child is child:
-        _child = None
     for pipe in (child.stdin, child.stdout):
         try:
             pipe.close()
@@ -79,12 +91,26 @@ def _discard(child: subprocess.Popen) -> str:
 def prestart() -> None:
     """Start the solver's process now, so that its imports (about half a second) overlap the caller's work.
 
-    Ensures: a live child exists (unless starting one raised OSError, which the first solve reports)."""
+    Ensures: an idle child exists (unless starting one raised OSError, which the first solve reports)."""
     with _LOCK:
-        try:
-            _running()
-        except OSError:
-            pass
+        if any(child.poll() is None for child in _idle):
+            return
+    try:
+        _give_back(_start())
+    except OSError:
+        pass
+
+
+def stop() -> None:
+    """End every idle child (a child in use ends when its solve returns and this process ends)."""
+    with _LOCK:
+        children = list(_idle)
+        _idle.clear()
+    for child in children:
+        _discard(child)
+
+
+atexit.register(stop)
 
 
 def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub: Sequence[float],
@@ -101,22 +127,22 @@ def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub
            "row_lb": row_lb, "row_ub": row_ub}
     deaths: list[str] = []
     for opts in (options, {**options, "presolve": False}):
-        with _LOCK:
-            try:
-                child = _running()
-            except OSError as e:
-                raise ShardingError(f"the global planner could not start its MILP solver's process "
-                                    f"({' '.join(_command())}: {e}); use planner='greedy'") from e
-            try:
-                pickle.dump({**req, "options": opts}, child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-                child.stdin.flush()
-                reply = pickle.load(child.stdout)
-            except (EOFError, OSError, pickle.UnpicklingError):
-                deaths.append(_discard(child))
-                continue
-            except BaseException:  # e.g. KeyboardInterrupt: the child's next reply would answer this request
-                _discard(child)
-                raise
+        try:
+            child = _take()
+        except OSError as e:
+            raise ShardingError(f"the global planner could not start its MILP solver's process "
+                                f"({' '.join(_command())}: {e}); use planner='greedy'") from e
+        try:
+            pickle.dump({**req, "options": opts}, child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            child.stdin.flush()
+            reply = pickle.load(child.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            deaths.append(_discard(child))
+            continue
+        except BaseException:  # e.g. KeyboardInterrupt: the child's next reply would answer this request
+            _discard(child)
+            raise
+        _give_back(child)
         if "error" in reply:
             raise ShardingError(f"the global planner's MILP failed in scipy ({reply['error']}); scipy>=1.11 must "
                                 f"import in a plain `{sys.executable}` (pip install 'scipy>=1.11', or fxshard[solve]), "

@@ -5,13 +5,15 @@ mesh of 4."""
 from __future__ import annotations
 
 import copy
+import os
+import threading
 import warnings
 
 import pytest
 import torch
 
 import fxshard
-from fxshard import P, ShardingError
+from fxshard import P, ShardingError, milp
 from fxshard.auto import parse_budget
 from fxshard.consistency import on_lead
 from fxshard.mesh import MeshInfo
@@ -128,6 +130,30 @@ def test_llama_auto_fits_a_budget_replication_does_not(fake_mesh):
     assert {"tok_embeddings.weight", "output.weight"} <= split, auto.lines()
     mem = fxshard.memory(sm, "adamw")
     assert mem["params"] + mem["grads"] + mem["optimizer"] <= auto.footprint - auto.activation_peak
+
+
+def test_pair_move_trials_solve_at_once(fake_mesh, monkeypatch):
+    """The pair-move trials are independent MILPs: with two CPUs two of them are solved at the same time, each
+    in a solver process of its own. Every trial thread's first solve waits at a barrier for the other's:
+    solved one after another, the barrier would time out."""
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    met, barrier, real = [], threading.Barrier(2, timeout=120), milp.solve
+
+    def solve(*args, **kwargs):
+        thread = threading.current_thread().name
+        if thread.startswith("fxshard-pair-move") and thread not in [t for t, _ in met]:
+            try:
+                met.append((thread, barrier.wait() is not None))
+            except threading.BrokenBarrierError:
+                met.append((thread, False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(milp, "solve", solve)
+    head, batch = _head()
+    sm = _auto_head(mesh, _head_bytes(head) * 3 // 4)
+    assert sm.sharding.auto.measured <= sm.sharding.auto.budget
+    assert len(met) == 2 and all(ok for _, ok in met), met
 
 
 def _train_auto(rank: int, world: int) -> dict:

@@ -41,12 +41,9 @@ def _in_process(p: dict):
 @pytest.fixture
 def fresh_child():
     """Each test starts without a solver process and leaves none behind."""
-    def reset():
-        if milp._child is not None:
-            milp._discard(milp._child)
-    reset()
+    milp.stop()
     yield
-    reset()
+    milp.stop()
 
 
 def _crashing_child(tmp_path, times: int) -> list[str]:
@@ -70,13 +67,24 @@ def test_the_child_solves_as_scipy_does_in_process_and_is_restarted_after_it_die
     got = milp.solve(**p, options={})
     assert want.status == 0 and got.status == 0 and got.success
     assert np.array_equal(got.x, want.x) and got.x.sum() == 12  # every job placed, the same plan
-    first = milp._child.pid
-    assert first != os.getpid()
-    os.kill(first, signal.SIGKILL)  # died between solves (e.g. the OOM killer): the next solve starts another
-    milp._child.wait()
+    [child] = milp._idle
+    assert child.pid != os.getpid()
+    os.kill(child.pid, signal.SIGKILL)  # died between solves (e.g. the OOM killer): the next solve starts another
+    child.wait()
     again = milp.solve(**_assignment(seed=1), options={})
     assert np.array_equal(again.x, _in_process(_assignment(seed=1)).x)
-    assert milp._child.pid != first
+    assert [c.pid for c in milp._idle] != [child.pid] and len(milp._idle) == 1
+
+
+def test_a_solve_while_another_child_is_busy_gets_a_child_of_its_own(fresh_child):
+    milp.prestart()
+    busy = milp._take()  # as a solve in another thread holds it
+    p = _assignment(seed=4)
+    assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
+    [other] = milp._idle
+    assert other is not busy and busy.poll() is None and other.poll() is None
+    milp._give_back(busy)
+    assert milp.solve(**p, options={}).success and len(milp._idle) == 2
 
 
 def test_a_solver_crash_is_solved_again_in_a_new_process_with_presolve_off(fresh_child, tmp_path, monkeypatch, caplog):
@@ -93,14 +101,14 @@ def test_a_solver_that_crashes_twice_is_a_sharding_error(fresh_child, tmp_path, 
     monkeypatch.setattr(milp, "_command", lambda: _crashing_child(tmp_path, 2))
     with pytest.raises(ShardingError, match=r"crashed twice .*killed by SIGABRT; then killed by SIGABRT.*planner='greedy'"):
         milp.solve(**_assignment(seed=3), options={})
-    assert milp._child is None
+    assert not milp._idle
 
 
 def test_a_solver_error_is_a_sharding_error_and_the_child_lives_on(fresh_child):
     p = _assignment()
     with pytest.raises(ShardingError, match=r"MILP failed in scipy \(ValueError: .*planner='greedy'"):
         milp.solve(**{**p, "lb": p["lb"][:-1]}, options={})  # bounds of the wrong length
-    child = milp._child
-    assert child is not None and child.poll() is None
+    [child] = milp._idle
+    assert child.poll() is None
     assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
-    assert milp._child is child
+    assert milp._idle == [child]
