@@ -59,6 +59,8 @@ TIE = 1.0 / UNIT  # one byte-equivalent off per greedy choice: equal-cost plans 
 MIN_COST = 1e-6  # a priced step costs at least ~1 byte-equivalent (HiGHS ignores smaller costs)
 FLOPS_PER_BYTE = 1000.0  # compute priced against communication: flops a device does while its link moves a byte
 MAX_ROUNDS = 20  # re-solves that exclude a combination of per-axis choices found illegal (3+ axes)
+PATIENCE = 2  # patient rounds in a row without a real improvement (STALL) that end the search
+STALL = 1e-6  # relative: less is the greedy tie-break's order of magnitude, not a better plan
 MAX_COMBOS = 4096  # N-D choices of one node the optimality certificate enumerates (beyond: not certified)
 ROUNDING = 1e-9  # relative slack of the certificate's comparison (float sums in a different order)
 
@@ -598,8 +600,10 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
     out (the greedy one first); the next round prices with the new plan's layouts. Every plan is
     scored exactly (:func:`plan_cost`) and the best, the greedy plan included, is returned; a round whose
-    plan is no better than the best seen ends the search (unless ``patient``: then only a plan that repeats
-    the previous one does; auto-sharding's budget makes later rounds find what earlier ones miss). Nodes in ``problem.shared`` take their
+    plan is no better than the best seen ends the search (unless ``patient``: then a plan that repeats
+    the previous one does, or ``PATIENCE`` rounds in a row that lower the best cost by less than a relative
+    ``STALL``; auto-sharding's budget makes later rounds find what earlier ones miss, and its rounds can
+    also cycle among plans of equal cost up to the greedy tie-break). Nodes in ``problem.shared`` take their
     representative's columns (every instance's compute and edges still priced).
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
     each such combination is excluded and the MILP solved again. Logs the problem's size and the
@@ -620,7 +624,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     best = {name: nv.greedy for name, nv in problem.nodes.items()}
     greedy_cost = plan_cost(problem, best)
     best_cost = greedy_cost if admissible(best) else float("inf")
-    prev, tried = best, 0
+    prev, tried, stalled = best, 0, 0
     for _ in range(rounds if len(problem.sizes) > 1 else 1):
         m, x = _formulate(problem, layouts(problem, prev), prev)
         if extend is not None:
@@ -649,9 +653,10 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
         tried += 1
         cost = plan_cost(problem, picks)
         improved = cost < best_cost
+        stalled = 0 if cost < best_cost - STALL * abs(best_cost) else stalled + 1
         if improved:
             best, best_cost = picks, cost
-        if picks == prev or (tried > 1 and not improved and not patient):
+        if picks == prev or (tried > 1 and not improved and not patient) or (patient and stalled >= PATIENCE):
             break
         prev = picks
     stats = {"nodes": len(x), "shared": len(problem.shared), "binaries": sum(m.integer), "variables": len(m.cost), "rows": len(m.row_lb),
