@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import pickle
 import signal
 import subprocess
@@ -31,6 +32,19 @@ LOG = logging.getLogger("fxshard.milp")
 _SCRIPT = Path(__file__).with_name("milp_child.py")
 _LOCK = threading.Lock()
 _idle: list[subprocess.Popen] = []  # started children no solve is using
+_inherited: list[subprocess.Popen] = []  # a forked process's copy of its parent's children: never used, never ended
+
+
+def _after_fork_in_child() -> None:
+    """A forked process must not talk to its parent's children (their pipes carry the parent's requests) nor
+    end them at exit: it starts its own."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    _inherited.extend(_idle)
+    _idle.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True)

@@ -112,3 +112,27 @@ def test_a_solver_error_is_a_sharding_error_and_the_child_lives_on(fresh_child):
     assert child.poll() is None
     assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
     assert milp._idle == [child]
+
+
+def test_a_forked_process_solves_in_a_child_of_its_own(fresh_child):
+    """After fork (e.g. a DataLoader worker that shards), the parent's idle child is not the forked process's:
+    sharing its pipes would mix the two conversations; and the forked process's exit does not end it."""
+    p, q = _assignment(seed=5), _assignment(seed=6)
+    milp.solve(**p, options={})
+    [parent_child] = milp._idle
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked process: solve, report, exit without running the parent's test machinery
+        ok = False
+        try:
+            ok = not milp._idle and np.array_equal(milp.solve(**q, options={}).x, _in_process(q).x) \
+                and milp._idle[0] is not parent_child
+            milp.stop()
+        finally:
+            os.write(w, b"1" if ok else b"0")
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert milp._idle == [parent_child] and parent_child.poll() is None
+    assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
