@@ -3,10 +3,10 @@
 HiGHS's MIP search has had heap-corruption bugs (e.g. FlexMeasures issue 2527: aborts in HiGHS 1.12 and
 1.15 that depend on the search path, hence on time limits and load). Inside a rank a corrupted heap does not
 fail the solve: it aborts the rank later, at some unrelated ``malloc`` ("unaligned tcache chunk detected"),
-and its peers then fail on a closed connection. So the planner's MILPs run in one long-lived child per
-process (``milp_child.py``: numpy and scipy only, started on first use or by :func:`prestart`, ended when
-this process ends); callers solving at once from several threads each get a child of their own, so their
-MILPs run in parallel. A child that dies mid-solve is replaced and the problem solved once more with
+and its peers then fail on a closed connection. So the planner's MILPs run in long-lived child processes
+(``milp_child.py``: numpy and scipy only), one per solve running at once (threads solving at the same time
+each get their own, so their MILPs run in parallel), started on first use or by :func:`prestart`, reused,
+and ended when this process ends. A child that dies mid-solve is replaced and the problem solved once more with
 presolve off (another search path); a second death is a :class:`~fxshard.errors.ShardingError`.
 """
 
@@ -134,9 +134,9 @@ def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub
     coef[k]``, duplicates summed) and ``x[i]`` integral where ``integer[i]``, with ``scipy.optimize.milp``'s
     ``options``, in the solver's process.
 
-    Ensures: the result scipy would give in this process. Raises ShardingError when scipy cannot be
-    imported there, when building or solving raised, or when the process died on the problem twice (the
-    second time with presolve off)."""
+    Ensures: the result scipy would give in this process. Raises ShardingError when scipy does not import
+    in the solver's process, when building or solving raised there, or when the process died on the
+    problem twice (the second time with presolve off)."""
     req = {"cost": cost, "integer": integer, "lb": lb, "ub": ub, "rows": rows, "cols": cols, "coef": coef,
            "row_lb": row_lb, "row_ub": row_ub}
     deaths: list[str] = []
@@ -157,10 +157,13 @@ def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub
             _discard(child)
             raise
         _give_back(child)
+        if "import_error" in reply:
+            raise ShardingError(f"planner='global' solves a MILP with HiGHS through scipy, which does not import in "
+                                f"the solver's process `{' '.join(_command())}` ({reply['import_error']}); pip install "
+                                f"'scipy>=1.11' (or fxshard[solve]) for that interpreter, or use planner='greedy'")
         if "error" in reply:
-            raise ShardingError(f"the global planner's MILP failed in scipy ({reply['error']}); scipy>=1.11 must "
-                                f"import in a plain `{sys.executable}` (pip install 'scipy>=1.11', or fxshard[solve]), "
-                                f"or use planner='greedy'")
+            raise ShardingError(f"internal: the global planner's MILP raised in scipy ({reply['error']}); use "
+                                f"planner='greedy' and please report this model")
         if deaths:
             LOG.warning("the MILP solver's process %s on a problem of %d variables and %d rows; solved again "
                         "with presolve off", deaths[0], len(cost), len(row_lb))

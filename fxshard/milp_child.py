@@ -6,7 +6,8 @@ replies. Imports numpy and scipy only (not fxshard, not torch).
 
 A request is a dict with ``cost``, ``integer``, ``lb``, ``ub`` (per variable), ``rows``, ``cols``, ``coef``
 (the constraint matrix as triplets), ``row_lb``, ``row_ub`` (per row) and ``options`` (``scipy.optimize.milp``'s).
-A reply is ``{"x", "status", "success", "message", "mip_gap"}`` from ``scipy.optimize.milp``, or
+A reply is ``{"x", "status", "success", "message", "mip_gap"}`` from ``scipy.optimize.milp``,
+``{"import_error": "<type>: <message>"}`` when numpy or scipy does not import, or
 ``{"error": "<type>: <message>"}`` when building or solving the problem raised.
 """
 
@@ -33,7 +34,7 @@ def main() -> None:
         except EOFError:
             return
         if imported is not None:
-            reply = {"error": imported}
+            reply = {"import_error": imported}
         else:
             try:
                 a = csr_array((req["coef"], (req["rows"], req["cols"])), shape=(len(req["row_lb"]), len(req["cost"])))

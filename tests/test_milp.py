@@ -106,7 +106,7 @@ def test_a_solver_that_crashes_twice_is_a_sharding_error(fresh_child, tmp_path, 
 
 def test_a_solver_error_is_a_sharding_error_and_the_child_lives_on(fresh_child):
     p = _assignment()
-    with pytest.raises(ShardingError, match=r"MILP failed in scipy \(ValueError: .*planner='greedy'"):
+    with pytest.raises(ShardingError, match=r"internal: .*MILP raised in scipy \(ValueError: .*planner='greedy'"):
         milp.solve(**{**p, "lb": p["lb"][:-1]}, options={})  # bounds of the wrong length
     [child] = milp._idle
     assert child.poll() is None
@@ -136,3 +136,11 @@ def test_a_forked_process_solves_in_a_child_of_its_own(fresh_child):
     os.waitpid(pid, 0)
     assert milp._idle == [parent_child] and parent_child.poll() is None
     assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
+
+
+def test_scipy_missing_in_the_solvers_interpreter_is_a_sharding_error_naming_it(fresh_child, tmp_path, monkeypatch):
+    (tmp_path / "scipy").mkdir()
+    (tmp_path / "scipy" / "__init__.py").write_text("raise ImportError('no scipy here')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the child's scipy is this broken package
+    with pytest.raises(ShardingError, match=r"does not import in the solver's process .*no scipy here.*pip install"):
+        milp.solve(**_assignment(), options={})
