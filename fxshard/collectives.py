@@ -174,10 +174,14 @@ def reduce_scatter(e: Emitter, x: fx.Node, st: Step, mesh: MeshInfo, contiguous:
 
 def all_reduce_into_input(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
     """``_c10d_functional.all_reduce(x, ...)``, reducing ``x`` itself (and returning it) when running eagerly
-    on a plain tensor; traced (``torch.compile``, ``make_fx``), the functional all_reduce (functionalization
-    cannot take an op whose output aliases its input). Requires that nothing reads ``x`` afterwards except
-    through the result (``passes/inplace.py``)."""
-    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+    on a plain contiguous tensor; traced (``torch.compile``, ``make_fx``), the functional all_reduce
+    (functionalization cannot take an op whose output aliases its input). Requires that nothing reads
+    ``x`` afterwards except through the result (``passes/inplace.py``).
+
+    The pass picks inputs whose traced value is contiguous; ``x`` is checked again here because gloo's
+    ``all_reduce_`` does not: it reduces ``numel`` elements from ``x``'s first one, which for a slice
+    reduces its neighbours and for an expanded tensor writes past its storage."""
+    if type(x) is torch.Tensor and x.is_contiguous() and not torch.compiler.is_compiling():
         return c10d.all_reduce_(x, reduce_op, group_name)
     return c10d.all_reduce(x, reduce_op, group_name)
 

@@ -73,6 +73,13 @@ def test_all_reduce_into_input_reduces_the_buffer_itself_only_when_eager(fake_me
     x = torch.ones(4)
     out = c10d.wait_tensor(all_reduce_into_input(x, "sum", group))
     assert out.data_ptr() == x.data_ptr()
+    # a non-contiguous input (the pass's traced strides wrong at run time) is reduced out of place: gloo's
+    # all_reduce_ would reduce the slice's neighbours, or write past an expanded tensor's storage
+    base = torch.arange(8.0).view(4, 2)
+    for y in (base[:, 0], torch.ones(1).expand(4)):
+        out = c10d.wait_tensor(all_reduce_into_input(y, "sum", group))
+        assert out.data_ptr() != y.data_ptr() and out.is_contiguous() and torch.equal(out, y)
+    assert torch.equal(base, torch.arange(8.0).view(4, 2))
     traced = make_fx(lambda t: c10d.wait_tensor(all_reduce_into_input(t, "sum", group)),
                      tracing_mode="fake")(torch.ones(4))
     targets = {n.target for n in traced.graph.nodes if n.op == "call_function"}
