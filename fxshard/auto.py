@@ -45,6 +45,7 @@ from typing import Optional, Union
 import torch
 import torch.fx as fx
 
+from . import milp
 from .consistency import on_lead
 from .passes.joint import joint_context, trace_joint
 from .passes.propagate import propagate
@@ -348,12 +349,15 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
             try:
                 return solve_problem(problem, rounds=PAIR_ROUNDS, extend=pinned(*t), gap=GAP,
                                      time_limit=PAIR_TIME_LIMIT, patient=True, admissible=lambda p: False)
-            except ShardingError:  # nothing fits with this layout
-                return None
+            except ShardingError as e:
+                if "found no plan" in str(e) or "found no legal plan" in str(e):  # nothing fits with this layout
+                    return None
+                raise  # e.g. the solver's process crashed twice
 
         workers = max(1, min(len(trials), len(os.sched_getaffinity(0))))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxshard-pair-move") as pool:
             planned = list(pool.map(trial, trials))
+        milp.trim(1)  # the trials' extra solver processes: not kept for the rest of the run
         best = plan_cost(problem, picks)
         for p in planned:
             if p is not None and plan_cost(problem, p) < best and admissible(p):

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 
 from .errors import ShardingError
 
-__all__ = ["Result", "solve", "prestart", "stop"]
+__all__ = ["Result", "solve", "prestart", "trim", "stop"]
 
 LOG = logging.getLogger("fxshard.milp")
 _SCRIPT = Path(__file__).with_name("milp_child.py")
@@ -115,16 +115,45 @@ def prestart() -> None:
         pass
 
 
-def stop() -> None:
-    """End every idle child (a child in use ends when its solve returns and this process ends)."""
+def trim(keep: int) -> None:
+    """End idle children beyond ``keep`` (after a burst of parallel solves). Requires ``keep >= 0``."""
     with _LOCK:
-        children = list(_idle)
-        _idle.clear()
-    for child in children:
+        extra = _idle[keep:]
+        del _idle[keep:]
+    for child in extra:
         _discard(child)
 
 
+def stop() -> None:
+    """End every idle child (a child in use ends when its solve returns and this process ends)."""
+    trim(0)
+
+
 atexit.register(stop)
+
+
+def _sent(request: dict) -> subprocess.Popen:
+    """A child that has been sent ``request``. A child that died while idle (e.g. the OOM killer) fails on
+    the send, before reading anything: it is replaced once, and its death is not this problem's."""
+    for attempt in range(2):
+        try:
+            child = _take()
+        except OSError as e:
+            raise ShardingError(f"the global planner could not start its MILP solver's process "
+                                f"({' '.join(_command())}: {e}); use planner='greedy'") from e
+        try:
+            pickle.dump(request, child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            child.stdin.flush()
+            return child
+        except OSError as e:
+            how = _discard(child)
+            if attempt:
+                raise ShardingError(f"the global planner could not send a MILP to its solver's process (it "
+                                    f"{how}: {e}); use planner='greedy', and please report it") from e
+        except BaseException:
+            _discard(child)
+            raise
+    raise AssertionError("unreachable")
 
 
 def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub: Sequence[float],
@@ -141,14 +170,8 @@ def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub
            "row_lb": row_lb, "row_ub": row_ub}
     deaths: list[str] = []
     for opts in (options, {**options, "presolve": False}):
+        child = _sent({**req, "options": opts})
         try:
-            child = _take()
-        except OSError as e:
-            raise ShardingError(f"the global planner could not start its MILP solver's process "
-                                f"({' '.join(_command())}: {e}); use planner='greedy'") from e
-        try:
-            pickle.dump({**req, "options": opts}, child.stdin, protocol=pickle.HIGHEST_PROTOCOL)
-            child.stdin.flush()
             reply = pickle.load(child.stdout)
         except (EOFError, OSError, pickle.UnpicklingError):
             deaths.append(_discard(child))

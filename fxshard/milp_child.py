@@ -1,4 +1,4 @@
-"""The process ``fxshard.milp`` solves MILPs in: run as a script (``python -I milp_child.py``), never imported.
+"""The process ``fxshard.milp`` solves MILPs in: run as a script (``python -P milp_child.py``), never imported.
 
 Reads pickled requests from stdin until end of file; answers each with one pickled reply on the stdout
 it started with. Its fd 1 is pointed at stderr first, so HiGHS's log (``disp``) cannot mix into the

@@ -139,9 +139,9 @@ def test_llama_auto_fits_a_budget_replication_does_not(fake_mesh, caplog):
 
 
 def test_pair_move_trials_solve_at_once(fake_mesh, monkeypatch):
-    """The pair-move trials are independent MILPs: with two CPUs two of them are solved at the same time, each
-    in a solver process of its own. Every trial thread's first solve waits at a barrier for the other's:
-    solved one after another, the barrier would time out."""
+    """The pair-move trials are independent MILPs: with two CPUs two of them are solved at the same time.
+    Every trial thread's first solve waits at a barrier for the other's: solved one after another, the
+    barrier would time out. Afterwards one idle solver process is kept, not one per trial thread."""
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     met, barrier, real = [], threading.Barrier(2, timeout=120), milp.solve
@@ -160,6 +160,23 @@ def test_pair_move_trials_solve_at_once(fake_mesh, monkeypatch):
     sm = _auto_head(mesh, _head_bytes(head) * 3 // 4)
     assert sm.sharding.auto.measured <= sm.sharding.auto.budget
     assert len(met) == 2 and all(ok for _, ok in met), met
+    assert len(milp._idle) <= 1
+
+
+def test_a_pair_move_trial_whose_solver_crashes_is_an_error_not_a_skipped_trial(fake_mesh, monkeypatch):
+    """A trial is skipped when nothing fits its pinned layout; a solver that crashed twice is not that."""
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    real = milp.solve
+
+    def solve(*args, **kwargs):
+        if threading.current_thread().name.startswith("fxshard-pair-move"):
+            raise ShardingError("the global planner's MILP solver (HiGHS via scipy) crashed twice (a test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(milp, "solve", solve)
+    head, _ = _head()
+    with pytest.raises(ShardingError, match="crashed twice"):
+        _auto_head(mesh, _head_bytes(head) * 3 // 4)
 
 
 def _train_auto(rank: int, world: int) -> dict:

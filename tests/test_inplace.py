@@ -84,3 +84,26 @@ def test_all_reduce_into_input_reduces_the_buffer_itself_only_when_eager(fake_me
                      tracing_mode="fake")(torch.ones(4))
     targets = {n.target for n in traced.graph.nodes if n.op == "call_function"}
     assert c10d.all_reduce.default in targets and c10d.all_reduce_.default not in targets
+
+
+def _reduce_non_contiguous(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    group = dist.group.WORLD.group_name
+    base = torch.arange(8.0).view(4, 2) * (rank + 1)
+    sliced = c10d.wait_tensor(all_reduce_into_input(base[:, 0], "sum", group))
+    expanded = c10d.wait_tensor(all_reduce_into_input(torch.full((1,), rank + 1.0).expand(4), "sum", group))
+    return {"base": base, "sliced": sliced, "expanded": expanded}
+
+
+def test_a_non_contiguous_input_is_reduced_out_of_place_on_gloo():
+    """On 2 gloo ranks (rank r holds (r + 1) x its values): a column slice's sum is the sum of the columns, and
+    its neighbour column is untouched; an expanded [1] -> [4] tensor sums to 3s. gloo's all_reduce_ on the
+    slice would reduce the first 4 elements of its storage (rows 0-1 of both columns)."""
+    from tests.dist_utils import run_ranks
+
+    for rank, res in enumerate(run_ranks(_reduce_non_contiguous, 2)):
+        want = torch.arange(8.0).view(4, 2)
+        assert torch.equal(res["sliced"], want[:, 0] * 3), res["sliced"]
+        assert torch.equal(res["base"], want * (rank + 1)), res["base"]
+        assert torch.equal(res["expanded"], torch.full((4,), 3.0))

@@ -144,3 +144,26 @@ def test_scipy_missing_in_the_solvers_interpreter_is_a_sharding_error_naming_it(
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the child's scipy is this broken package
     with pytest.raises(ShardingError, match=r"does not import in the solver's process .*no scipy here.*pip install"):
         milp.solve(**_assignment(), options={})
+
+
+def test_a_child_that_died_while_idle_is_replaced_without_blaming_the_problem(fresh_child, monkeypatch, caplog):
+    """The send to a child that died after it was taken (e.g. the OOM killer) fails before it read anything:
+    another child gets the same request, with presolve as asked, and nothing is reported as a crash."""
+    milp.prestart()
+    [dead] = milp._idle
+    milp._idle.clear()
+    dead.kill()
+    dead.wait()
+    real, handed = milp._take, []
+
+    def take():
+        if not handed:
+            handed.append(dead)
+            return dead
+        return real()
+
+    monkeypatch.setattr(milp, "_take", take)
+    p = _assignment(seed=7)
+    with caplog.at_level(logging.WARNING, logger="fxshard.milp"):
+        assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
+    assert handed == [dead] and not caplog.text, caplog.text

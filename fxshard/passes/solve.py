@@ -653,7 +653,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
         tried += 1
         cost = plan_cost(problem, picks)
         improved = cost < best_cost
-        stalled = 0 if cost < best_cost - STALL * abs(best_cost) else stalled + 1
+        stalled = 0 if math.isinf(best_cost) or cost < best_cost - STALL * abs(best_cost) else stalled + 1
         if improved:
             best, best_cost = picks, cost
         if picks == prev or (tried > 1 and not improved and not patient) or (patient and stalled >= PATIENCE):
