@@ -340,3 +340,44 @@ def test_candidates_shared_across_identical_layers_are_what_each_node_computes(f
     fxshard.shard(model, mesh, llama_megatron_plan(2), example_inputs=(tokens, tokens), in_specs=(P("dp"), P("dp")),
                   pipeline=_solving_with(capture), planner="global")
     assert len(checked) > 300 and len(set(checked)) < 0.7 * len(checked), (len(checked), len(set(checked)))
+
+
+def test_patient_rounds_stop_after_two_stalls_counted_from_the_first_plan_that_fits(fake_mesh, monkeypatch):
+    """``solve_problem(patient=True)`` stops after ``PATIENCE`` rounds in a row that lower the best cost by
+    less than ``STALL``, counted from the first plan that fits (before it the best cost is inf). Scripted: each
+    MILP returns a plan other than the last (one node's axis-0 choice alternates) and ``plan_cost`` gives the
+    greedy plan 10 (it does not fit), then 5, 5 - 1e-9, 5 - 2e-9, ...: rounds 2 and 3 stall, so 3 MILPs (with
+    round 1 counted as a stall against inf, 2)."""
+    from fxshard import milp
+
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    with torch.device("meta"):
+        model, x = models.ToyModel(64, 128), torch.empty(32, 64)
+    _, problems = _solve_problems(model, mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                                  example_inputs=(x,), in_specs=(P("dp"),))
+    problem = next(p for p in problems if len(p.sizes) == 2 and any(len(nv.axes[0]) > 1 for nv in p.nodes.values()))
+    name = next(n for n, nv in problem.nodes.items() if len(nv.axes[0]) > 1)
+    columns, real_formulate = [], solve_module._formulate
+
+    def formulate(*args):
+        m, cols = real_formulate(*args)
+        columns.append(cols)
+        return m, cols
+
+    def scripted(cost, *args, options):
+        vec = [0.0] * len(cost)
+        for n, per_axis in columns[-1].items():
+            for a, cols in enumerate(per_axis):
+                i = problem.nodes[n].greedy[a]
+                if n == name and a == 0 and len(columns) % 2:
+                    i = (i + 1) % len(cols)
+                vec[cols[i]] = 1.0
+        return milp.Result(vec, 0, True, "scripted", 0.0)
+
+    costs = iter([10.0] + [5.0 - k * 1e-9 for k in range(10)])
+    monkeypatch.setattr(solve_module, "_formulate", formulate)
+    monkeypatch.setattr(milp, "solve", scripted)
+    monkeypatch.setattr(milp, "prestart", lambda: None)
+    monkeypatch.setattr(solve_module, "plan_cost", lambda problem, picks: next(costs))
+    solve_problem(problem, rounds=6, patient=True, admissible=lambda picks: False)
+    assert len(columns) == 3
