@@ -360,8 +360,11 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         milp.trim(1)  # the trials' extra solver processes: not kept for the rest of the run
         best = plan_cost(problem, picks)
         for p in planned:
-            if p is not None and plan_cost(problem, p) < best and admissible(p):
-                picks, best = p, plan_cost(problem, p)
+            if p is None:
+                continue
+            c = plan_cost(problem, p)
+            if c < best and admissible(p):
+                picks, best = p, c
         return picks
 
     def plan() -> dict[str, tuple[int, ...]]:
