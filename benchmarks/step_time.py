@@ -23,7 +23,8 @@ sliced by hand, explicit collectives in autograd pairs; + DDP on the 2x2 mesh), 
 ``full`` plan; in the ``full``/``outside`` cases), ``fxshard-nobucket`` on the 2x2 mesh
 (``bucket_mb=None``: one gradient all-reduce per parameter), ``fxshard-nooverlap`` in every case
 (``pipeline=DEFAULT.without("overlap")``: collectives not scheduled for overlap), and in the cases marked compiled
-``fxshard-compiled`` / ``megatron-compiled`` (``torch.compile`` of the same modules, inductor).
+``fxshard-compiled`` / ``megatron-compiled`` (``torch.compile`` of the same modules, inductor with
+``fxshard.compile.INDUCTOR_OPTIONS``: no peak-memory reordering, which would undo fxshard's overlap schedule).
 
 Method: each case builds its contenders from seed 0, runs 2 steps (warm-up and compilation; their
 losses must agree), then ``--rounds`` rounds; a round runs every contender for ``--steps`` steps
@@ -162,7 +163,11 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
         if two_d:
             mod = torch.nn.parallel.DistributedDataParallel(mod, process_group=mesh["dp"].get_group())
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
-    run = torch.compile(mod) if name.endswith("-compiled") else mod
+    run = mod
+    if name.endswith("-compiled"):  # both compiled contenders: inductor with the options that keep fxshard's
+        from fxshard.compile import INDUCTOR_OPTIONS  # overlap schedule (no peak-memory reordering)
+
+        run = torch.compile(mod, options=INDUCTOR_OPTIONS)
     # fxshard's gradients are those of the global-batch mean loss; DDP averages the dp ranks' local
     # mean-loss gradients: the same thing when the fxshard loss outside is divided by dp
     scale = 1.0 / mesh["dp"].size() if (two_d and base == "fxshard" and not inside) else 1.0

@@ -20,7 +20,7 @@ How the backend works (one captured graph at a time):
    applied where values enter/leave the nodes of that module call (``nn_module_stack``).
 3. ``fxshard.shard`` shards the view with the plan (the whole pipeline: trace, propagate,
    redistribute, localize, joint graph for training) and the resulting ShardedModule is compiled
-   with the inner backend (default ``"inductor"``) with ``fullgraph=True``.
+   with the inner backend (default ``"inductor"``, with ``INDUCTOR_OPTIONS``) with ``fullgraph=True``.
 4. The returned callable feeds that ShardedModule the user inputs and this rank's *local*
    parameter shards; the full parameters dynamo passes in are ignored.
 
@@ -29,7 +29,10 @@ the first consumer (buffers die early, seed 002). The pipeline's last pass (``pa
 ``fxshard.pipeline.DEFAULT``) then reschedules each emitted per-rank program so every collective is
 issued as soon as its inputs exist and waited only when nothing independent is left to run
 (``reorder_for_overlap``), where that keeps the program's modelled peak memory (within 1%);
-``backend(..., overlap=False)`` keeps the redistribute order. ``overlap(sm)`` applies the schedule to
+``backend(..., overlap=False)`` keeps the redistribute order. Inductor keeps the schedule only with
+``INDUCTOR_OPTIONS`` (its peak-memory reordering otherwise puts every wait back next to its collective):
+the backend passes them to an inductor inner backend, and ``sm.compile()`` (``ShardedModule.compile``)
+passes them to ``torch.compile``; a plain ``torch.compile(sm)`` needs ``options=INDUCTOR_OPTIONS``. ``overlap(sm)`` applies the schedule to
 every program of a module unconditionally; ``overlap_report(sm)`` lists, per collective, its issue and
 wait positions and the compute between.
 """
@@ -51,13 +54,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .capture import Captured, View
 from .description import sharding_of
 from .ir import COMM_KEY, OpClass, is_op
-from .passes.overlap import collective_groups, reorder_for_overlap
+from .passes.overlap import INDUCTOR_OPTIONS, collective_groups, reorder_for_overlap
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import ShardedModule
 from .placements import to_torch
 
-__all__ = ["backend", "backend_options", "FxshardBackend", "overlap", "overlap_report", "reorder_for_overlap"]
+__all__ = ["backend", "backend_options", "FxshardBackend", "overlap", "overlap_report", "reorder_for_overlap",
+           "INDUCTOR_OPTIONS"]
 
 c10d = torch.ops._c10d_functional
 
@@ -136,7 +140,11 @@ class FxshardBackend:
                        **options)
         self._share(sm, cap)
         self.modules.append(sm)
-        run = sm if self.inner in (None, "none") else torch.compile(sm, backend=self.inner, fullgraph=True)
+        if self.inner in (None, "none"):
+            run = sm
+        else:  # inductor keeps the overlap schedule only with INDUCTOR_OPTIONS
+            extra = {"options": dict(INDUCTOR_OPTIONS)} if self.inner == "inductor" else {}
+            run = torch.compile(sm, backend=self.inner, fullgraph=True, **extra)
         positions = [i for i, k in enumerate(cap.kinds) if k[0] == "input"]
 
         def sharded_graph(*args: Any) -> Any:  # dynamo passes the full parameters too: only inputs go on

@@ -465,6 +465,20 @@ class ShardedModule(nn.Module):
                 hook(m, (), {}, outs) if m._forward_hooks_with_kwargs.get(hid) else hook(m, (), outs)
         return pytree.tree_unflatten(list(outs[len(progs.traced.mutations):]), progs.traced.out_tree)
 
+    def compile(self, **kwargs: Any) -> None:
+        """``nn.Module.compile`` (``torch.compile`` of this module, in place) that keeps the programs'
+        overlap schedule under inductor.
+
+        Requires what ``torch.compile`` requires. Ensures: with inductor (the default backend) and no
+        ``mode``, ``options`` holds ``fxshard.compile.INDUCTOR_OPTIONS`` unless the caller set those keys;
+        otherwise the arguments go to ``torch.compile`` unchanged. (``torch.compile(sm)`` itself cannot
+        be intercepted: pass ``options=fxshard.compile.INDUCTOR_OPTIONS`` there.)"""
+        from .passes.overlap import INDUCTOR_OPTIONS
+
+        if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
+            kwargs["options"] = {**INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
+        super().compile(**kwargs)
+
     def _run(self, progs: Programs, args: tuple, kwargs: dict) -> tuple:
         """The program's flat outputs (buffer updates first, written back here)."""
         feed = self._feed(progs, args, kwargs)

@@ -20,11 +20,17 @@ from ..context import ShardContext
 from ..errors import ShardingError
 from ..ir import COMM_KEY
 
-__all__ = ["overlap_pass", "reorder_for_overlap", "overlap_order", "collective_groups"]
+__all__ = ["overlap_pass", "reorder_for_overlap", "overlap_order", "collective_groups", "INDUCTOR_OPTIONS"]
 
 logger = logging.getLogger(__name__)
 
 PEAK_SLACK = 0.01  # the overlap order may raise a program's modelled peak memory by at most this fraction
+
+# Inductor options that keep this pass's schedule. Inductor's scheduler keeps a graph's order except
+# where ``reorder_for_peak_memory`` moves nodes, and that moves every ``wait_tensor`` back next to its
+# collective (the weight gradients that ran between go elsewhere): the overlap is lost. This pass
+# already bounds the program's modelled peak (``PEAK_SLACK``), so nothing is given up by keeping it.
+INDUCTOR_OPTIONS: dict = {"reorder_for_peak_memory": False}
 
 c10d = torch.ops._c10d_functional
 
