@@ -7,7 +7,8 @@ Same model, plan and step as ``benchmarks/step_time.py``'s case ``tp2/layers/unt
 each contender's local compute and framework overhead without the other rank's noise.
 
 A. Compute-only step time (forward + loss + backward + AdamW), interleaved rounds, medians:
-   ``megatron`` (eager, fused kernels), ``fxshard``, and three controls built from
+   ``megatron`` (eager, fused kernels), ``fxshard``, both compiled as in ``step_time.py``
+   (``megatron-compiled``, ``fxshard-compiled``: inductor, ``fxshard.compile.INDUCTOR_OPTIONS``), and three controls built from
    the *same* Megatron local program, traced into one joint forward+backward graph with
    ``make_fx`` (collectives stubbed out; AdamW applied to the returned gradients):
    ``megatron-graph``      — no decompositions (fused CPU kernels kept),
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
         steps = {}
         mods = {}
         example = (torch.zeros_like(x), torch.zeros_like(y))
-        for name in ("megatron", "fxshard"):
+        for name in ("megatron", "fxshard", "megatron-compiled", "fxshard-compiled"):
             step, mods[name] = build(name, CASE_PROFILED, mesh, cfg, example)
             steps[name] = lambda step=step: step(x, y).item()
 
@@ -173,7 +174,8 @@ def main(argv=None) -> dict:
                 return (time.perf_counter() - t0) / a.steps
             return run
 
-        order = ["megatron", "megatron-graph", "megatron-graph-fx", "megatron-graph-core", "fxshard"]
+        order = ["megatron", "megatron-graph", "megatron-graph-fx", "megatron-graph-core", "fxshard",
+                 "megatron-compiled", "fxshard-compiled"]
         times = interleaved({n: timed(steps[n]) for n in order}, a.rounds)
         med = {n: median(v) for n, v in times.items()}
 
