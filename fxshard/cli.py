@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from .sizes import fmt_bytes
+
 __all__ = ["main"]
 
 
@@ -68,14 +70,6 @@ def _per_axis(text: str, flag: str, what: str, example: str, convert: Callable[[
             raise CliError(f"{flag} {text!r}: axis {name!r} appears twice")
         axes[name] = got
     return axes
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
 
 
 def _why(sm: Any) -> dict[tuple[str, str], str]:
@@ -158,11 +152,11 @@ def plan_command(args: argparse.Namespace) -> int:
         print("\n" + "\n".join(sm.sharding.auto.lines()))
     print("\nper-rank memory (rank 0):")
     for k, v in mem.items():
-        print(f"  {k:<16} {v:>16,d} bytes  ({_fmt_bytes(v)})")
+        print(f"  {k:<16} {v:>16,d} bytes  ({fmt_bytes(v)})")
     print(f"\ncollectives per {'training step' if args.train else 'forward'}:")
     for prog, table in stats.items():
         for kind, row in sorted(table.items()):
-            print(f"  {prog:<9} {kind:<15} count {row['count']:>5}  bytes {row['bytes']:>16,d}  ({_fmt_bytes(row['bytes'])})")
+            print(f"  {prog:<9} {kind:<15} count {row['count']:>5}  bytes {row['bytes']:>16,d}  ({fmt_bytes(row['bytes'])})")
             print(f"  {'':<9} {'':<15} needed by: {why.get((prog, kind), '')}")
     if explain is not None:
         with open(args.explain, "w") as f:
