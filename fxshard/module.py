@@ -469,14 +469,21 @@ class ShardedModule(nn.Module):
         """``nn.Module.compile`` (``torch.compile`` of this module, in place) that keeps the programs'
         overlap schedule under inductor.
 
-        Requires what ``torch.compile`` requires. Ensures: with inductor (the default backend) and no
-        ``mode``, ``options`` holds ``fxshard.compile.INDUCTOR_OPTIONS`` unless the caller set those keys;
-        otherwise the arguments go to ``torch.compile`` unchanged. (``torch.compile(sm)`` itself cannot
-        be intercepted: pass ``options=fxshard.compile.INDUCTOR_OPTIONS`` there.)"""
+        Requires what ``torch.compile`` requires. Ensures: with inductor (the default backend), the
+        options inductor gets are those of ``mode`` (``torch._inductor.list_mode_options``), then
+        ``fxshard.compile.INDUCTOR_OPTIONS``, then the caller's ``options`` (which win); other backends get
+        the arguments unchanged. (``torch.compile(sm)`` itself cannot be intercepted: pass
+        ``options=fxshard.compile.INDUCTOR_OPTIONS`` there.)"""
         from .passes.overlap import INDUCTOR_OPTIONS
 
-        if kwargs.get("backend", "inductor") == "inductor" and kwargs.get("mode") is None:
-            kwargs["options"] = {**INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
+        if kwargs.get("backend", "inductor") == "inductor":
+            mode = kwargs.pop("mode", None)  # torch.compile takes a mode or options, not both
+            by_mode = {}
+            if mode is not None:
+                from torch._inductor import list_mode_options
+
+                by_mode = list_mode_options(mode, kwargs.get("dynamic"))
+            kwargs["options"] = {**by_mode, **INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
         super().compile(**kwargs)
 
     def _run(self, progs: Programs, args: tuple, kwargs: dict) -> tuple:

@@ -339,7 +339,7 @@ def test_inductor_keeps_the_overlap_schedule(mesh2):
     eager_grads = {k: p.grad.clone() for k, p in sm.named_parameters()}
     sm.zero_grad()
     _reset()
-    sm.compile()
+    sm.compile(mode="default")  # a mode becomes its options, merged with INDUCTOR_OPTIONS
     loss, codes = run_and_get_code(step, sm)
     assert len(codes) == 2, len(codes)  # the forward and the backward program
     gaps = [g for c in codes for g in _overlapped_in_code(c)]
