@@ -29,7 +29,8 @@ sliced by hand, explicit collectives in autograd pairs; + DDP on the 2x2 mesh), 
 Method: each case builds its contenders from seed 0, runs 2 steps (warm-up and compilation; their
 losses must agree), then ``--rounds`` rounds; a round runs every contender for ``--steps`` steps
 after a barrier, in an order rotated each round; a round's value is the slower rank's mean step
-time. Reported per case: medians over rounds and ratios as medians of per-round ratios. Writes
+time. Also printed: what one blocking gloo collective costs between 2 ranks here (all_reduce of 1
+float, 16 floats, one activation; a send/recv round trip), the floor under every contender's step. Reported per case: medians over rounds and ratios as medians of per-round ratios. Writes
 ``benchmarks/results/step_time.json``. ``--quick``: 3 rounds x 2 steps, no compiled contenders.
 """
 
@@ -251,6 +252,41 @@ def _rank_main(rank: int, world: int, cfg: dict, cases: list[dict], rounds: int,
     return out
 
 
+def _collective_latency(rank: int, world: int, cfg: dict, reps: int = 100) -> dict:
+    """Milliseconds per blocking gloo ``all_reduce`` of 1 float, 16 floats and one activation
+    (batch x seq x dim floats: what tensor parallelism reduces), and per send/recv round trip."""
+    import torch
+    import torch.distributed as dist
+
+    def per_call(fn) -> float:
+        for _ in range(5):
+            fn()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e3
+
+    out = {}
+    for n in (1, 16, cfg["batch"] * cfg["seq"] * cfg["dim"]):
+        x = torch.zeros(n)
+        out[f"all_reduce {n} floats"] = per_call(lambda: dist.all_reduce(x))
+    x = torch.zeros(1)
+    peer = 1 - rank if world == 2 else None
+
+    def round_trip():
+        if rank == 0:
+            dist.send(x, peer)
+            dist.recv(x, peer)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    if peer is not None:
+        out["send/recv round trip"] = per_call(round_trip)
+    return out
+
+
 RATIOS = [("fxshard", "megatron"), ("fxshard-nooverlap", "megatron"), ("fxshard", "fxshard-nooverlap"),
           ("fxshard-nobucket", "megatron"), ("fxshard", "dtensor"), ("fxshard-compiled", "megatron-compiled"),
           ("fxshard-compiled", "megatron"), ("megatron-compiled", "megatron"), ("dtensor", "megatron")]
@@ -282,6 +318,7 @@ def main(argv=None) -> dict:
         if mine:
             ranks = run_ranks(me._rank_main, world, CONFIG, mine, rounds, steps, timeout=3600)
             res.update({name: [rk[name] for rk in ranks] for name in ranks[0]})
+    latency = run_ranks(me._collective_latency, 2, CONFIG, timeout=600)[0]
     wall = time.perf_counter() - t0
 
     print(f"torch test Transformer: dim {CONFIG['dim']}, {CONFIG['n_heads']} heads, {CONFIG['n_layers']} layers, "
@@ -309,9 +346,10 @@ def main(argv=None) -> dict:
                     + [f"{ratios[k]:.2f}" if k in ratios else "-" for k in _RATIO_COLS] + [f"{parity_err:.1e}"])
     print(table(rows, ["case"] + [h for _, h in _COLS] + _RATIO_COLS + ["loss diff"]))
     print("ms: median step time; ratios: median of per-round ratios (a/b < 1: a is faster)")
+    print("gloo between 2 ranks, ms per call: " + ", ".join(f"{k} {v:.2f}" for k, v in latency.items()))
     print(f"wall time {wall:.1f} s")
     out = {"config": CONFIG, "rounds": rounds, "steps_per_round": steps, "machine": info, "cases": out_cases,
-           "wall_s": wall}
+           "collective_latency_ms": latency, "wall_s": wall}
     if not a.no_json:
         print(f"wrote {write_json('step_time.json', out)}")
     if failed:
