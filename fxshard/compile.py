@@ -232,6 +232,8 @@ def backend(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *, inner
     ``inner`` (a torch.compile backend name or callable, default ``"inductor"``; ``None`` runs it
     eagerly); by default its collectives are scheduled for overlap where that keeps peak memory
     (the pipeline's ``overlap`` pass); ``overlap=False`` keeps each right before its first consumer.
+    With ``inner="inductor"`` (the name) inductor gets ``INDUCTOR_OPTIONS``, which keep that schedule;
+    a callable inner backend compiles with whatever options it applies.
 
     Parameters - read this before training. The model keeps its full parameters; the compiled
     model computes with this rank's *local shards*, which the backend owns:
