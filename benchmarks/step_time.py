@@ -168,7 +168,7 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
     if name.endswith("-compiled"):  # both compiled contenders: inductor with the options that keep fxshard's
         from fxshard.compile import INDUCTOR_OPTIONS  # overlap schedule (no peak-memory reordering)
 
-        run = torch.compile(mod, options=INDUCTOR_OPTIONS)
+        run = torch.compile(mod, options=dict(INDUCTOR_OPTIONS))
     # fxshard's gradients are those of the global-batch mean loss; DDP averages the dp ranks' local
     # mean-loss gradients: the same thing when the fxshard loss outside is divided by dp
     scale = 1.0 / mesh["dp"].size() if (two_d and base == "fxshard" and not inside) else 1.0

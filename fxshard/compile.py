@@ -3,9 +3,10 @@ graph), ``fxshard.backend_options`` (the same, for ``backend="fxshard"``), ``ove
 ``overlap_report``. Reading a captured graph (FQNs, module calls, its nn.Module view) is
 ``capture.py``; overlap scheduling is the pipeline pass ``passes/overlap.py``.
 
-Compiling an already sharded module needs nothing from this file: ``torch.compile(sm)`` (any
-backend, ``fullgraph=True`` works) traces through ``ShardedModule.forward`` and the autograd
-function that runs the sharded forward/backward programs, so each rank compiles its own program.
+Compiling an already sharded module needs only ``INDUCTOR_OPTIONS`` from this file (to keep the overlap
+schedule under inductor; ``sm.compile()`` applies them): ``torch.compile(sm)`` (any backend,
+``fullgraph=True`` works) traces through ``ShardedModule.forward`` and the autograd function that runs
+the sharded forward/backward programs, so each rank compiles its own program.
 
 How the backend works (one captured graph at a time):
 
@@ -143,7 +144,7 @@ class FxshardBackend:
         if self.inner in (None, "none"):
             run = sm
         else:  # inductor keeps the overlap schedule only with INDUCTOR_OPTIONS
-            extra = {"options": dict(INDUCTOR_OPTIONS)} if self.inner == "inductor" else {}
+            extra = {"options": dict(INDUCTOR_OPTIONS)} if self.inner == "inductor" and self.overlap else {}
             run = torch.compile(sm, backend=self.inner, fullgraph=True, **extra)
         positions = [i for i, k in enumerate(cap.kinds) if k[0] == "input"]
 
@@ -232,8 +233,8 @@ def backend(mesh: DeviceMesh, plan: Optional[Mapping[str, Any]] = None, *, inner
     ``inner`` (a torch.compile backend name or callable, default ``"inductor"``; ``None`` runs it
     eagerly); by default its collectives are scheduled for overlap where that keeps peak memory
     (the pipeline's ``overlap`` pass); ``overlap=False`` keeps each right before its first consumer.
-    With ``inner="inductor"`` (the name) inductor gets ``INDUCTOR_OPTIONS``, which keep that schedule;
-    a callable inner backend compiles with whatever options it applies.
+    With ``inner="inductor"`` (the name) and ``overlap=True`` inductor gets ``INDUCTOR_OPTIONS``, which
+    keep that schedule; a callable inner backend compiles with whatever options it applies.
 
     Parameters - read this before training. The model keeps its full parameters; the compiled
     model computes with this rank's *local shards*, which the backend owns:

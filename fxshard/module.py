@@ -469,14 +469,21 @@ class ShardedModule(nn.Module):
         """``nn.Module.compile`` (``torch.compile`` of this module, in place) that keeps the programs'
         overlap schedule under inductor.
 
-        Requires what ``torch.compile`` requires. Ensures: with inductor (the default backend), the
-        options inductor gets are those of ``mode`` (``torch._inductor.list_mode_options``), then
-        ``fxshard.compile.INDUCTOR_OPTIONS``, then the caller's ``options`` (which win); other backends get
-        the arguments unchanged. (``torch.compile(sm)`` itself cannot be intercepted: pass
-        ``options=fxshard.compile.INDUCTOR_OPTIONS`` there.)"""
+        Requires ``torch.compile``'s keyword arguments; unlike ``torch.compile``, ``mode`` and ``options``
+        may both be given. Ensures: when the backend is inductor (``backend`` given as ``"inductor"``, or
+        left out or ``None`` with inductor as dynamo's default backend), the options inductor gets are
+        those of ``mode`` (``torch._inductor.list_mode_options``), then ``fxshard.compile.INDUCTOR_OPTIONS``,
+        then the caller's ``options`` (which win); other backends get the arguments unchanged.
+        (``torch.compile(sm)`` itself cannot be intercepted: pass
+        ``options=dict(fxshard.compile.INDUCTOR_OPTIONS)`` there.)"""
         from .passes.overlap import INDUCTOR_OPTIONS
 
-        if kwargs.get("backend", "inductor") == "inductor":
+        backend = kwargs.get("backend")
+        if backend is None:
+            from torch._dynamo.backends.registry import get_default_backend
+
+            backend = get_default_backend()
+        if backend == "inductor":
             mode = kwargs.pop("mode", None)  # torch.compile takes a mode or options, not both
             by_mode = {}
             if mode is not None:

@@ -307,7 +307,8 @@ def _overlapped_in_code(code: str) -> list[int]:
         if m is None:
             continue
         wait = f"torch.ops._c10d_functional.wait_tensor.default({m.group(1)})"
-        j = next(j for j in range(i + 1, len(lines)) if lines[j] == wait)
+        j = next((j for j in range(i + 1, len(lines)) if lines[j] == wait), None)
+        assert j is not None, f"no {wait} after {ln}"
         gaps.append(sum(1 for k in range(i + 1, j) if lines[k].startswith(("extern_kernels.", "cpp_fused"))))
     return gaps
 
@@ -353,3 +354,21 @@ def test_inductor_keeps_the_overlap_schedule(mesh2):
     _, codes = run_and_get_code(step, compiled)
     gaps = [g for c in codes for g in _overlapped_in_code(c)]
     assert len(gaps) == 4 and min(gaps[2:]) >= 2, gaps
+
+
+def test_sharded_module_compile_arguments(mesh2, monkeypatch):
+    """``sm.compile`` hands inductor ``mode``'s options, then INDUCTOR_OPTIONS, then the caller's; the
+    default backend (``None``) counts as inductor; other backends get the arguments unchanged."""
+    from fxshard.compile import INDUCTOR_OPTIONS
+
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(torch.randn(4, 16),))
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    sm.compile(mode="max-autotune-no-cudagraphs", options={"reorder_for_locality": False}, fullgraph=True)
+    sm.compile(backend=None, options={"reorder_for_peak_memory": True})
+    sm.compile(backend="aot_eager", mode="default")
+    assert seen[0] == {"fullgraph": True, "options": {"max_autotune": True, "coordinate_descent_tuning": True,
+                                                     "reorder_for_peak_memory": False, "reorder_for_locality": False}}
+    assert seen[1] == {"backend": None, "options": {"reorder_for_peak_memory": True}}  # the caller's options win
+    assert seen[2] == {"backend": "aot_eager", "mode": "default"}
+    assert dict(INDUCTOR_OPTIONS) == {"reorder_for_peak_memory": False}  # nothing above changed the constant

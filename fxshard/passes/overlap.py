@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -26,11 +27,12 @@ logger = logging.getLogger(__name__)
 
 PEAK_SLACK = 0.01  # the overlap order may raise a program's modelled peak memory by at most this fraction
 
-# Inductor options that keep this pass's schedule. Inductor's scheduler keeps a graph's order except
-# where ``reorder_for_peak_memory`` moves nodes, and that moves every ``wait_tensor`` back next to its
-# collective (the weight gradients that ran between go elsewhere): the overlap is lost. This pass
-# already bounds the program's modelled peak (``PEAK_SLACK``), so nothing is given up by keeping it.
-INDUCTOR_OPTIONS: dict = {"reorder_for_peak_memory": False}
+# Inductor options that keep this pass's schedule (read-only; pass ``dict(INDUCTOR_OPTIONS)``). Inductor's
+# scheduler keeps a graph's order except where ``reorder_for_peak_memory`` moves nodes, and that moves
+# every ``wait_tensor`` back next to its collective (the weight gradients that ran between go
+# elsewhere): the overlap is lost. Without it inductor runs this pass's order, whose modelled peak is
+# within ``PEAK_SLACK`` of the redistribute order's, instead of searching for a lower-peak order.
+INDUCTOR_OPTIONS: Mapping[str, Any] = MappingProxyType({"reorder_for_peak_memory": False})
 
 c10d = torch.ops._c10d_functional
 
