@@ -354,7 +354,8 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
                     return None
                 raise  # e.g. the solver's process crashed twice
 
-        workers = max(1, min(len(trials), len(os.sched_getaffinity(0))))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = max(1, min(len(trials), cpus))  # sched_getaffinity: Linux only
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxshard-pair-move") as pool:
             planned = list(pool.map(trial, trials))
         milp.trim(1)  # the trials' extra solver processes: not kept for the rest of the run
