@@ -8,8 +8,8 @@ each contender's local compute and framework overhead without the other rank's n
 
 A. Compute-only step time (forward + loss + backward + AdamW), interleaved rounds, medians:
    ``megatron`` (eager, fused kernels), ``fxshard``, both compiled as in ``step_time.py``
-   (``megatron-compiled``, ``fxshard-compiled``: inductor, ``fxshard.compile.INDUCTOR_OPTIONS``), and three controls built from
-   the *same* Megatron local program, traced into one joint forward+backward graph with
+   (``megatron-compiled``, ``fxshard-compiled``: inductor, ``fxshard.compile.INDUCTOR_OPTIONS``), and
+   three controls built from the *same* Megatron local program, traced into one joint forward+backward graph with
    ``make_fx`` (collectives stubbed out; AdamW applied to the returned gradients):
    ``megatron-graph``      — no decompositions (fused CPU kernels kept),
    ``megatron-graph-fx``   — fxshard's joint table (``fxshard.passes.trace.joint_decomposition_table()``,

@@ -30,7 +30,8 @@ Method: each case builds its contenders from seed 0, runs 2 steps (warm-up and c
 losses must agree), then ``--rounds`` rounds; a round runs every contender for ``--steps`` steps
 after a barrier, in an order rotated each round; a round's value is the slower rank's mean step
 time. Also printed: what one blocking gloo collective costs between 2 ranks here (all_reduce of 1
-float, 16 floats, one activation; a send/recv round trip), the floor under every contender's step. Reported per case: medians over rounds and ratios as medians of per-round ratios. Writes
+float, 16 floats, one activation; a send/recv round trip), the floor under every contender's step.
+Reported per case: medians over rounds and ratios as medians of per-round ratios. Writes
 ``benchmarks/results/step_time.json``. ``--quick``: 3 rounds x 2 steps, no compiled contenders.
 """
 
@@ -254,7 +255,8 @@ def _rank_main(rank: int, world: int, cfg: dict, cases: list[dict], rounds: int,
 
 def _collective_latency(rank: int, world: int, cfg: dict, reps: int = 100) -> dict:
     """Milliseconds per blocking gloo ``all_reduce`` of 1 float, 16 floats and one activation
-    (batch x seq x dim floats: what tensor parallelism reduces), and per send/recv round trip."""
+    (batch x seq x dim floats: what tensor parallelism reduces), and per send/recv round trip between
+    ranks 0 and 1. Requires ``world == 2``."""
     import torch
     import torch.distributed as dist
 
@@ -272,18 +274,16 @@ def _collective_latency(rank: int, world: int, cfg: dict, reps: int = 100) -> di
         x = torch.zeros(n)
         out[f"all_reduce {n} floats"] = per_call(lambda: dist.all_reduce(x))
     x = torch.zeros(1)
-    peer = 1 - rank if world == 2 else None
 
     def round_trip():
         if rank == 0:
-            dist.send(x, peer)
-            dist.recv(x, peer)
-        elif rank == 1:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        else:
             dist.recv(x, 0)
             dist.send(x, 0)
 
-    if peer is not None:
-        out["send/recv round trip"] = per_call(round_trip)
+    out["send/recv round trip"] = per_call(round_trip)
     return out
 
 

@@ -33,7 +33,7 @@ issued as soon as its inputs exist and waited only when nothing independent is l
 ``backend(..., overlap=False)`` keeps the redistribute order. Inductor keeps the schedule only with
 ``INDUCTOR_OPTIONS`` (its peak-memory reordering otherwise puts every wait back next to its collective):
 the backend passes them to an inductor inner backend, and ``sm.compile()`` (``ShardedModule.compile``)
-passes them to ``torch.compile``; a plain ``torch.compile(sm)`` needs ``options=INDUCTOR_OPTIONS``.
+passes them to ``torch.compile``; a plain ``torch.compile(sm)`` needs ``options=dict(INDUCTOR_OPTIONS)``.
 ``overlap(sm)`` applies the schedule to every program of a module unconditionally; ``overlap_report(sm)``
 lists, per collective, its issue and wait positions and the compute between.
 """
