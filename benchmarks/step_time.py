@@ -15,13 +15,14 @@ Cases (every contender of a case runs the same plan on the same weights):
 * ``tied``/``untied`` embedding and head; loss ``outside`` the module (it returns logits) or
   ``inside`` (``forward(tokens, targets)`` returns the loss).
 * ``tp2``: 2 gloo ranks, tp=2; ``dp2xtp2``: 4 ranks, a 2x2 mesh, the batch split on dp (8 x 64
-  global), against Megatron TP + ``torch.nn.parallel.DistributedDataParallel`` over dp.
+  global), against Megatron TP + ``torch.nn.parallel.DistributedDataParallel`` over dp; fxshard's
+  default (global) planner makes exactly Megatron + DDP's collectives there (``tests/test_solve.py``).
 
 Contenders: ``fxshard`` (``fxshard.shard``), ``megatron`` (``benchmarks/megatron.py``: weights
 sliced by hand, explicit collectives in autograd pairs; + DDP on the 2x2 mesh), ``dtensor``
 (``Transformer.parallelize(..., local_output_for_attn=True)``: DTensor's own plan, which is the
 ``full`` plan; in the ``full``/``outside`` cases), ``fxshard-nobucket`` on the 2x2 mesh
-(``bucket_mb=None``: one gradient all-reduce per parameter), ``fxshard-nooverlap`` in every case
+(``bucket_mb=None``: one gradient all-reduce per parameter; the greedy planner, for the same plan), ``fxshard-nooverlap`` in every case
 (``pipeline=DEFAULT.without("overlap")``: collectives not scheduled for overlap), and in the cases marked compiled
 ``fxshard-compiled`` / ``megatron-compiled`` (``torch.compile`` of the same modules, inductor with
 ``fxshard.compile.INDUCTOR_OPTIONS``: no peak-memory reordering, which would undo fxshard's overlap schedule).
@@ -148,10 +149,8 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
         kw: dict = {}
         if two_d:
             kw = dict(in_specs=(P("dp"), P("dp")) if inside else (P("dp"),), out_specs=None if inside else P("dp"))
-        if two_d:  # like for like with Megatron TP + DDP: at this batch (256 tokens) the default global planner
-            kw["planner"] = "greedy"  # gathers the batch over dp rather than all-reduce the weight gradients
-        if name.endswith("-nobucket"):
-            kw["bucket_mb"] = None
+        if name.endswith("-nobucket"):  # the same plan, one all-reduce per gradient; left to the global planner,
+            kw.update(bucket_mb=None, planner="greedy")  # a latency per gradient makes it gather the batch
         if name.endswith("-nooverlap"):
             from fxshard.pipeline import DEFAULT
             kw["pipeline"] = DEFAULT.without("overlap")

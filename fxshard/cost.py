@@ -47,10 +47,13 @@ ALPHA = 65536.0
 @dataclasses.dataclass(frozen=True)
 class Link:
     """An axis's link in the alpha-beta model: ``alpha`` the latency of one collective in byte-equivalents
-    of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1)."""
+    of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1);
+    ``reduce_alpha``, when set, the latency a reduction (all_reduce, reduce_scatter) pays instead: a bucketed
+    gradient's share of one bucket's (``passes/solve.py::links_of``)."""
 
     alpha: float = ALPHA
     weight: float = 1.0
+    reduce_alpha: Optional[float] = None
 
 
 UNIFORM = Link()
@@ -121,12 +124,13 @@ def step_cost(st: Step, n: int, link: Link = UNIFORM, rs_policy: bool = True) ->
     ``rs_policy=False`` prices a reduce_scatter by the bytes it sends (the global planner)."""
     frac = (n - 1) / n * link.weight
     b = float(st.nbytes)
+    reduce_alpha = link.alpha if link.reduce_alpha is None else link.reduce_alpha
     if st.kind == "all_gather":
         return link.alpha + b * frac
     if st.kind == "all_reduce":
-        return link.alpha + 2 * b * frac
+        return reduce_alpha + 2 * b * frac
     if st.kind == "reduce_scatter":  # policy: priced as all_reduce + local slice (see module doc)
-        return link.alpha + (2 if rs_policy else 1) * b * frac + EPS * (1 + b)
+        return reduce_alpha + (2 if rs_policy else 1) * b * frac + EPS * (1 + b)
     if st.kind == "all_to_all":  # priced as gathering what it moves + local slice (policy)
         return link.alpha + b * n * frac + EPS * (1 + b * n)
     if st.kind in ("slice", "to_partial"):

@@ -27,7 +27,7 @@ import math
 import operator
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
@@ -90,6 +90,16 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links
     return cost
 
 
+def links_of(problem: "Problem", u: ValueKey) -> tuple[Link, ...]:
+    """The links value ``u``'s layout changes are priced on: ``problem.links``; for a gradient the bucket pass
+    packs, a reduction's latency scaled by ``problem.amortized[u]`` (its gathers are not bucketed)."""
+    f = problem.amortized.get(u)
+    if f is None:
+        return problem.links
+    return tuple(replace(link, reduce_alpha=link.alpha * f)
+                 for link in (problem.links or (UNIFORM,) * len(problem.sizes)))
+
+
 def _nbytes(val: torch.Tensor) -> float:
     """Bytes of ``val``, symbolic sizes counted by their hint (64 without one), as propagate does."""
     n = 1
@@ -125,6 +135,9 @@ class Problem:
 
     sizes: tuple[int, ...]
     links: tuple[Link, ...] = ()  # per axis (``cost.links``); empty: every axis alike
+    # gradients the bucket pass packs (passes/bucket.py): value -> the share of one collective's latency each
+    # pays (its bytes over the bucket's, at most 1), so the plan sees DDP's few large all-reduces, not one per gradient
+    amortized: dict[ValueKey, float] = field(default_factory=dict)
     nodes: dict[str, NodeVars] = field(default_factory=dict)
     fixed: dict[ValueKey, Layout] = field(default_factory=dict)  # values whose layout no choice changes
     greedy: dict[ValueKey, Layout] = field(default_factory=dict)  # every value's greedy layout
@@ -293,6 +306,8 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
             leaves = [x for x in output_leaves(node)
                       if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
             for j, (leaf, want) in enumerate(zip(leaves, req)):
+                if ctx.bucket_mb and j in ctx.bucketed:
+                    problem.amortized[_value_of(leaf)] = min(1.0, _nbytes(leaf.meta["val"]) / (ctx.bucket_mb * 2**20))
                 if j in tied:
                     problem.tied.append((_value_of(leaf), tied[j]))
                 elif j < len(ctx.out_required) and ctx.out_required[j] is not None:
@@ -452,7 +467,7 @@ def _axis_price(problem: Problem, u: ValueKey, a: int, q: Pl, p: Pl, context: di
     """``price`` of changing value ``u``'s placement on axis ``a`` alone, its other axes as in ``context``."""
     lay = context[u]
     return price(lay[:a] + (q,) + lay[a + 1:], lay[:a] + (p,) + lay[a + 1:], problem.nbytes[u], problem.sizes,
-                 problem.links) / UNIT
+                 links_of(problem, u)) / UNIT
 
 
 def compute_cost(problem: Problem, nv: NodeVars, a: int, c: AxisChoice, picked: tuple[int, ...]) -> float:
@@ -485,7 +500,7 @@ def plan_cost(problem: Problem, picks: dict[str, tuple[int, ...]]) -> float:
     for u, name in problem.tied:
         needs.setdefault(u, set()).add(out[(name, 0)])
     for u, lays in needs.items():
-        total += sum(price(out[u], p, problem.nbytes[u], problem.sizes, problem.links) for p in lays) / UNIT
+        total += sum(price(out[u], p, problem.nbytes[u], problem.sizes, links_of(problem, u)) for p in lays) / UNIT
     return total
 
 
@@ -717,10 +732,12 @@ def greedy_is_optimal(problem: Problem, max_combos: int = MAX_COMBOS) -> bool:
     for u, name in problem.tied:
         demands.setdefault(u, []).append((lay_g[(name, 0)], produced((name, 0)), name, "out", 0))
     constant = 0.0
-    # per node: (weight, bytes, the fixed side's layout, "in"/"out", index, whether the fixed side is the source)
-    terms: dict[str, list[tuple[float, float, Layout, str, int, bool]]] = {}
+    # per node: (weight, bytes, the fixed side's layout, "in"/"out", index, whether the fixed side is the source,
+    # the links the value is priced on)
+    terms: dict[str, list[tuple[float, float, Layout, str, int, bool, tuple]]] = {}
     for u, ds in demands.items():
-        costly = {d[0] for d in ds if price(lay_g[u], d[0], problem.nbytes[u], problem.sizes, problem.links) > 0}
+        lk = links_of(problem, u)
+        costly = {d[0] for d in ds if price(lay_g[u], d[0], problem.nbytes[u], problem.sizes, lk) > 0}
         if len(costly) > 1:  # the greedy plan pays two changes of u, the bound counts one
             LOG.debug("greedy plan not certified: %s is changed to %d layouts", u, len(costly))
             return False
@@ -728,20 +745,20 @@ def greedy_is_optimal(problem: Problem, max_combos: int = MAX_COMBOS) -> bool:
         w, src = 1.0 / len(chosen), produced(u)
         for _, need, name, kind, idx in chosen:
             if src is not None and need is not None:
-                constant += w * price(src, need, problem.nbytes[u], problem.sizes, problem.links) / UNIT
+                constant += w * price(src, need, problem.nbytes[u], problem.sizes, lk) / UNIT
             elif src is not None:
-                terms.setdefault(name, []).append((w, problem.nbytes[u], src, kind, idx, True))
+                terms.setdefault(name, []).append((w, problem.nbytes[u], src, kind, idx, True, lk))
             elif need is not None:
-                terms.setdefault(u[0], []).append((w, problem.nbytes[u], need, "out", u[1], False))
+                terms.setdefault(u[0], []).append((w, problem.nbytes[u], need, "out", u[1], False, lk))
 
     def local(name: str, picks: tuple[int, ...]) -> float:
         nv = problem.nodes[name]
         chosen = [nv.axes[a][i] for a, i in enumerate(picks)]
         cost = compute_cost(problem, nv, 0, chosen[0], picks)
-        for w, nbytes, fixed, kind, idx, fixed_is_src in terms.get(name, ()):
+        for w, nbytes, fixed, kind, idx, fixed_is_src, lk in terms.get(name, ()):
             mine = tuple((c.inputs if kind == "in" else c.outputs)[idx] for c in chosen)
-            cost += w * (price(fixed, mine, nbytes, problem.sizes, problem.links) if fixed_is_src
-                         else price(mine, fixed, nbytes, problem.sizes, problem.links)) / UNIT
+            cost += w * (price(fixed, mine, nbytes, problem.sizes, lk) if fixed_is_src
+                         else price(mine, fixed, nbytes, problem.sizes, lk)) / UNIT
         return cost
 
     lower = constant + sum(local(name, nv.greedy) for name, nv in problem.nodes.items())
