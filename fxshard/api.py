@@ -263,7 +263,7 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
     report = None
     if req.auto:
         say("choosing the placements the plan leaves out (auto)")
-        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin)
+        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin, req.bucket_mb)
         ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                        constraints=recorded)
         if report is not None and req.budget is not None:  # the planner keeps the values within what is left

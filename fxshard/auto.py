@@ -425,11 +425,13 @@ def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal) -> dic
 
 
 def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[Pl, ...]], wants_grad: list[bool],
-                  budget: Optional[int], margin: int = 0) -> tuple[dict[str, tuple[Pl, ...]], Optional[AutoReport]]:
+                  budget: Optional[int], margin: int = 0, bucket_mb: Optional[float] = None
+                  ) -> tuple[dict[str, tuple[Pl, ...]], Optional[AutoReport]]:
     """``param_pls`` (the user's plan, resolved) completed with a layout for every parameter it leaves
     out, and the report (None when nothing was left out). Requires ``ctx`` annotated from
     ``param_pls`` (free parameters replicated); plans the training graph when any placeholder
-    ``wants_grad``, else the forward, within ``budget - margin``. The traced forward is left as it was."""
+    ``wants_grad``, else the forward, within ``budget - margin``, its gradients priced as the bucket pass
+    will send them (``bucket_mb``, as ``shard``'s). The traced forward is left as it was."""
     sizes = tuple(ctx.mesh.sizes)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
     free: dict[str, list[str]] = {}
@@ -446,7 +448,7 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
     trained = {node.name for node, w in zip(fwd_ph, wants_grad) if w and node.name in free}
     if any(wants_grad):
         joint = trace_joint(traced, traced.gm, wants_grad)
-        gm, pctx = joint.gm, joint_context(traced, ctx, joint)
+        gm, pctx = joint.gm, joint_context(traced, ctx, joint, bucket_mb)
         joint_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
         rename = {f.name: j.name for f, j in zip(fwd_ph, joint_ph)}
         tied = {len(ctx.out_required) + m: rename[fwd_ph[i].name] for m, i in enumerate(joint.diff_in)

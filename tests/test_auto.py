@@ -43,6 +43,27 @@ def _auto_head(mesh, budget):
                          memory_budget=budget, progress=False)
 
 
+def test_auto_prices_gradients_as_the_bucket_pass_will_send_them(fake_mesh, monkeypatch):
+    """Auto-sharding's MILP plans the training graph with shard()'s bucket_mb, so a bucketed gradient's
+    reduction pays its share of a bucket's latency there too (as when the completed plan is sharded)."""
+    import fxshard.auto as auto
+
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    seen, real = [], auto.choose_placements
+
+    def spy(gm, pctx, *args, **kwargs):
+        seen.append((pctx.bucket_mb, len(pctx.bucketed)))
+        return real(gm, pctx, *args, **kwargs)
+
+    monkeypatch.setattr(auto, "choose_placements", spy)
+    for bucket_mb in (25, None):
+        head, batch = _head()
+        fxshard.shard(head, mesh, {}, example_inputs=batch, in_specs=(P("dp"), P("dp")), auto=True,
+                      bucket_mb=bucket_mb, progress=False)
+    n_grads = len(list(_head()[0].parameters()))
+    assert seen == [(25, n_grads), (None, n_grads)], seen
+
+
 def test_parse_budget():
     assert parse_budget("8GiB") == 8 * 2**30 and parse_budget("1.5 GB") == 1_500_000_000
     assert parse_budget(1000) == 1000 and parse_budget("512mib") == 512 * 2**20 and parse_budget(None) is None
