@@ -263,7 +263,8 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
     report = None
     if req.auto:
         say("choosing the placements the plan leaves out (auto)")
-        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin, req.bucket_mb)
+        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin,
+                                          req.bucket_mb if "bucket" in req.pipeline.names else None)
         ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                        constraints=recorded)
         if report is not None and req.budget is not None:  # the planner keeps the values within what is left
@@ -351,7 +352,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
-    jctx = joint_context(traced, ctx, joint, bucket_mb)
+    jctx = joint_context(traced, ctx, joint, bucket_mb if "bucket" in pipeline.names else None)
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm, remat, ctx.mesh.sizes)

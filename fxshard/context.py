@@ -26,8 +26,9 @@ class ShardContext:
     ``"global"`` (the solve pass re-plans the graph with a MILP; what ``shard``, ``jit`` and the CLI
     set by default; internal single-op contexts, such as rule validation, keep the sweep).
     ``bucket_mb`` is the gradient bucket size of backward programs in MiB (``passes/bucket.py``;
-    None: one collective per gradient); ``bucketed`` the output leaves that are such gradients (the global
-    planner prices their collectives' latency as a share of a bucket's).
+    None: one collective per gradient); ``bucketed`` the output leaves (numbered as ``out_required``) that are
+    such gradients, empty without buckets (the global planner prices their last reduction's latency as a
+    share of a bucket's).
     ``program_inputs``: while a backward program is finished, a function giving the fake local values of
     its first placeholders (what its forward saved, as the forward lays them out), for passes that model
     the program's memory (``passes/overlap.py``); None otherwise.
@@ -43,7 +44,7 @@ class ShardContext:
     label: str = "forward"
     planner: str = "greedy"
     bucket_mb: Optional[float] = None
-    bucketed: frozenset = frozenset()  # output leaves whose collectives the bucket pass packs (the gradients)
+    bucketed: frozenset = frozenset()  # indices into out_required: gradients the bucket pass packs
     activation_room: Optional[int] = None
     program_inputs: Optional[Callable[[], Sequence[Any]]] = None
     # auto-sharding's planner under ``activation_room`` (``auto.solve_within``; given by the caller so the

@@ -48,12 +48,12 @@ ALPHA = 65536.0
 class Link:
     """An axis's link in the alpha-beta model: ``alpha`` the latency of one collective in byte-equivalents
     of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1);
-    ``reduce_alpha``, when set, the latency a reduction (all_reduce, reduce_scatter) pays instead: a bucketed
-    gradient's share of one bucket's (``passes/solve.py::links_of``)."""
+    ``bucket``, when set, the bytes of the buckets a reduction (all_reduce, reduce_scatter) is packed into:
+    it pays ``min(1, its bytes / bucket)`` of ``alpha`` (a bucketed gradient, ``passes/solve.py::links_of``)."""
 
     alpha: float = ALPHA
     weight: float = 1.0
-    reduce_alpha: Optional[float] = None
+    bucket: Optional[float] = None
 
 
 UNIFORM = Link()
@@ -124,7 +124,7 @@ def step_cost(st: Step, n: int, link: Link = UNIFORM, rs_policy: bool = True) ->
     ``rs_policy=False`` prices a reduce_scatter by the bytes it sends (the global planner)."""
     frac = (n - 1) / n * link.weight
     b = float(st.nbytes)
-    reduce_alpha = link.alpha if link.reduce_alpha is None else link.reduce_alpha
+    reduce_alpha = link.alpha if link.bucket is None else link.alpha * min(1.0, b / link.bucket)
     if st.kind == "all_gather":
         return link.alpha + b * frac
     if st.kind == "all_reduce":

@@ -59,6 +59,21 @@ def test_global_plan_moves_no_more_bytes_than_greedy(fake_mesh, mesh_shape):
     assert got["global"]._placements == got["greedy"]._placements
 
 
+def test_a_bucketed_gradient_pays_a_share_of_its_last_reductions_latency():
+    """[P, P] -> [R, R] all-reduces on tp, then on dp: the bucket pass packs the last (dp) one only; a
+    gather is never bucketed."""
+    from fxshard.cost import ALPHA, Link
+    from fxshard.placements import Part, R
+
+    whole, bucketed = (Link(), Link()), (Link(bucket=4 * 2**20), Link(bucket=4 * 2**20))
+    nbytes = 2**20
+    saved = (solve_module.price((Part(), Part()), (R, R), nbytes, (2, 2), whole)
+             - solve_module.price((Part(), Part()), (R, R), nbytes, (2, 2), bucketed))
+    assert saved == pytest.approx(ALPHA * (1 - 1 / 4))  # the dp all-reduce moves the whole MiB: 1/4 of a bucket
+    assert solve_module.price((S(0), R), (R, R), nbytes, (2, 2), bucketed) == \
+        solve_module.price((S(0), R), (R, R), nbytes, (2, 2), whole)
+
+
 def test_bucketed_gradients_pay_a_share_of_one_latency_so_dp_x_tp_plans_are_ddp(fake_mesh):
     """The bucket pass sends a step's gradients in a few large all-reduces; priced one latency per
     gradient, the global plan for torch's test Transformer on a dp x tp mesh (batch split on dp, Megatron

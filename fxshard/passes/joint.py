@@ -376,5 +376,6 @@ def joint_context(traced: Traced, ctx: ShardContext, joint: Joint, bucket_mb: Op
     for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
         jctx.seeds[t] = ctx.out_required[i] or (R,) * k
     jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i]) for i in joint.diff_in]
-    jctx.bucketed = frozenset(range(len(ctx.out_required), len(jctx.out_required)))
+    if bucket_mb:
+        jctx.bucketed = frozenset(range(len(ctx.out_required), len(jctx.out_required)))
     return jctx

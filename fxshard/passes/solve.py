@@ -77,6 +77,9 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links
         return 0.0
     cur = list(src)
     cost = 0.0
+    # the bucket pass packs a gradient's last collective only, and axes change innermost first
+    last_reduction = min((a for a in range(len(cur)) if isinstance(cur[a], Part) and cur[a] != dst[a] and sizes[a] > 1),
+                         default=None)
     for a in reversed(range(len(cur))):
         if cur[a] == dst[a] or sizes[a] == 1:
             continue
@@ -84,20 +87,18 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links
         for b, p in enumerate(cur):
             if b != a and isinstance(p, S):
                 others *= sizes[b]
-        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a], links[a] if links else UNIFORM,
-                                rs_policy=False)
+        link = links[a] if links else UNIFORM
+        if link.bucket is not None and a != last_reduction:
+            link = replace(link, bucket=None)
+        cost += transition_cost(cur[a], dst[a], nbytes / others, sizes[a], link, rs_policy=False)
         cur[a] = dst[a]
     return cost
 
 
 def links_of(problem: "Problem", u: ValueKey) -> tuple[Link, ...]:
-    """The links value ``u``'s layout changes are priced on: ``problem.links``; for a gradient the bucket pass
-    packs, a reduction's latency scaled by ``problem.amortized[u]`` (its gathers are not bucketed)."""
-    f = problem.amortized.get(u)
-    if f is None:
-        return problem.links
-    return tuple(replace(link, reduce_alpha=link.alpha * f)
-                 for link in (problem.links or (UNIFORM,) * len(problem.sizes)))
+    """The links value ``u``'s layout changes are priced on: ``problem.links``, with the bucket size for a
+    gradient the bucket pass packs (``price`` applies it to the last reduction only)."""
+    return problem.bucket_links if u in problem.bucketed else problem.links
 
 
 def _nbytes(val: torch.Tensor) -> float:
@@ -135,9 +136,10 @@ class Problem:
 
     sizes: tuple[int, ...]
     links: tuple[Link, ...] = ()  # per axis (``cost.links``); empty: every axis alike
-    # gradients the bucket pass packs (passes/bucket.py): value -> the share of one collective's latency each
-    # pays (its bytes over the bucket's, at most 1), so the plan sees DDP's few large all-reduces, not one per gradient
-    amortized: dict[ValueKey, float] = field(default_factory=dict)
+    # gradients the bucket pass packs (passes/bucket.py) into buckets of ``bucket_links[a].bucket`` bytes: their
+    # last reduction pays its share of one latency, so the plan sees DDP's few large all-reduces, not one each
+    bucketed: set[ValueKey] = field(default_factory=set)
+    bucket_links: tuple[Link, ...] = ()
     nodes: dict[str, NodeVars] = field(default_factory=dict)
     fixed: dict[ValueKey, Layout] = field(default_factory=dict)  # values whose layout no choice changes
     greedy: dict[ValueKey, Layout] = field(default_factory=dict)  # every value's greedy layout
@@ -297,6 +299,9 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
     placeholder whose layout that output must take (a parameter's gradient)."""
     free, tied = free or {}, tied or {}
     problem = Problem(tuple(ctx.mesh.sizes), tuple(ctx.mesh.links))
+    if ctx.bucketed:
+        problem.bucket_links = tuple(replace(link, bucket=ctx.bucket_mb * 2**20)
+                                     for link in (problem.links or (UNIFORM,) * len(problem.sizes)))
     k = len(problem.sizes)
     memo: dict[tuple, tuple[list[list[AxisChoice]], list[tuple[int, int, int, int]]]] = {}  # _signature -> ...
     for node in gm.graph.nodes:
@@ -306,8 +311,8 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
             leaves = [x for x in output_leaves(node)
                       if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
             for j, (leaf, want) in enumerate(zip(leaves, req)):
-                if ctx.bucket_mb and j in ctx.bucketed:
-                    problem.amortized[_value_of(leaf)] = min(1.0, _nbytes(leaf.meta["val"]) / (ctx.bucket_mb * 2**20))
+                if j in ctx.bucketed and all(isinstance(s, int) for s in leaf.meta["val"].shape):
+                    problem.bucketed.add(_value_of(leaf))  # (bucket.py packs only concrete shapes)
                 if j in tied:
                     problem.tied.append((_value_of(leaf), tied[j]))
                 elif j < len(ctx.out_required) and ctx.out_required[j] is not None:
@@ -561,7 +566,7 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
     for (u, a), slots in consumers.items():
         outs = {q: [x[u[0]][a][i] for i in idx] for q, idx in problem.outputs_of(u, a).items()}
         lay = context[u]
-        key = (a, problem.nbytes[u], lay[:a] + lay[a + 1:], tuple((q, tuple(c)) for q, c in outs.items()),
+        key = (a, problem.nbytes[u], u in problem.bucketed, lay[:a] + lay[a + 1:], tuple((q, tuple(c)) for q, c in outs.items()),
                tuple(tuple((p, tuple(c)) for p, c in by_pl.items()) for by_pl in slots))
         if key in systems:
             systems[key][1][0] += 1
