@@ -118,6 +118,18 @@ def test_unknown_planner_is_a_sharding_error(mesh2):
         fxshard.shard(models.ToyModel(16, 32), mesh2, {}, example_inputs=(torch.randn(8, 16),), planner="best")
 
 
+class _CountAndOutput(torch.nn.Module):
+    """Returns a Python int before its tensor: the global planner read the tensor's required layout
+    from the int's slot and returned it column-split instead of replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple:
+        return 7, self.lin(x)
+
+
 def _train_global(rank: int, world: int) -> dict:
     """Llama with the Megatron plan and seed 004's data-parallel trunk + class-sharded head, both planned
     by the global planner: loss and full gradients against the unsharded model."""
@@ -133,6 +145,16 @@ def _train_global(rank: int, world: int) -> dict:
     hsm = fxshard.shard(copy.deepcopy(head), mesh, {"linear.weight": P("tp", None), "linear.bias": P("tp")},
                         example_inputs=hb, in_specs=(P("tp"), P("tp")), planner="global")
     cases.append(("seed004", head, hsm, hb, (hb[0].chunk(world)[rank], hb[1].chunk(world)[rank])))
+    torch.manual_seed(0)
+    ref = _CountAndOutput()
+    x = torch.randn(4, 8)
+    csm = fxshard.shard(copy.deepcopy(ref), mesh, {"lin": ColwiseParallel()}, example_inputs=(x,), planner="global")
+    (n, y), (_, ref_y) = csm(x), ref(x)
+    y.sum().backward()
+    ref_y.sum().backward()
+    grad = csm._dtensor("lin.weight", csm.lin.weight.grad).full_tensor()
+    out["int_first"] = {"n": n, "shape": tuple(y.shape), "out_err": (y - ref_y).abs().max().item() if y.shape ==
+                        ref_y.shape else float("inf"), "grad_err": (grad - ref.lin.weight.grad).abs().max().item()}
     for name, ref, shd, full_in, local_in in cases:
         ref_loss = ref(*full_in)
         ref_loss.backward()
@@ -146,7 +168,9 @@ def _train_global(rank: int, world: int) -> dict:
 
 
 def test_global_plan_trains_like_unsharded():
-    for res in run_ranks(_train_global, 2, timeout=600):  # two shard() calls, each solving two programs
+    for res in run_ranks(_train_global, 2, timeout=600):  # three shard() calls, each solving two programs
+        r = res.pop("int_first")
+        assert r["n"] == 7 and r["shape"] == (4, 16) and r["out_err"] <= 1e-6 and r["grad_err"] <= 1e-6, r
         for name, r in res.items():
             assert r["loss_err"] <= 1e-5 and r["grad_err"] <= 1e-5 and r["n_grads"] > 0, (name, r)
 

@@ -101,6 +101,13 @@ def links_of(problem: "Problem", u: ValueKey) -> tuple[Link, ...]:
     return problem.bucket_links if u in problem.bucketed else problem.links
 
 
+def _tensor_leaves(output: fx.Node) -> list[tuple[int, fx.Node]]:
+    """The output node's tensor leaves with their index among all its leaves (``ShardContext.out_required``'s
+    numbering; a Python scalar or None among the outputs has an index but no layout)."""
+    return [(j, x) for j, x in enumerate(output_leaves(output))
+            if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
 def _nbytes(val: torch.Tensor) -> float:
     """Bytes of ``val``, symbolic sizes counted by their hint (64 without one), as propagate does."""
     n = 1
@@ -307,10 +314,8 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
     for node in gm.graph.nodes:
         spec = node.meta.get(META_KEY)
         if node.op == "output":
-            req = node.meta.get(IN_KEY) or []
-            leaves = [x for x in output_leaves(node)
-                      if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
-            for j, (leaf, want) in enumerate(zip(leaves, req)):
+            req = node.meta.get(IN_KEY) or []  # one per tensor leaf; ctx's tables index every leaf
+            for (j, leaf), want in zip(_tensor_leaves(node), req):
                 if j in ctx.bucketed and all(isinstance(s, int) for s in leaf.meta["val"].shape):
                     problem.bucketed.add(_value_of(leaf))  # (bucket.py packs only concrete shapes)
                 if j in tied:
@@ -792,12 +797,10 @@ def apply(gm: fx.GraphModule, ctx: ShardContext, problem: Problem, picks: dict[s
     """Write the chosen strategies into the node meta propagate defines, in graph order."""
     for node in gm.graph.nodes:
         if node.op == "output":
-            req = list(node.meta.get(IN_KEY) or [])
-            leaves = [x for x in output_leaves(node)
-                      if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
-            for j, leaf in enumerate(leaves[:len(req)]):
+            req = list(node.meta.get(IN_KEY) or [])  # one per tensor leaf; ctx.out_required indexes every leaf
+            for t, (j, leaf) in enumerate(_tensor_leaves(node)[:len(req)]):
                 if j >= len(ctx.out_required) or ctx.out_required[j] is None:
-                    req[j] = leaf.meta[META_KEY].placements
+                    req[t] = leaf.meta[META_KEY].placements
             node.meta[IN_KEY] = req
             continue
         if node.op != "call_function":
