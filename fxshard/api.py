@@ -194,6 +194,11 @@ class _Request:
     budget: Optional[int] = None
     margin: int = 0  # auto plans against budget - margin (after a result measured over the budget)
 
+    @property
+    def buckets_mb(self) -> Optional[float]:
+        """``bucket_mb`` when the pipeline runs the bucket pass, else None: what the planners price."""
+        return self.bucket_mb if "bucket" in self.pipeline.names else None
+
 
 def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str]]:
     """``(fqn, type, training, first fqn of the same module)`` per submodule, in pre-order."""
@@ -263,8 +268,7 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
     report = None
     if req.auto:
         say("choosing the placements the plan leaves out (auto)")
-        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin,
-                                          req.bucket_mb if "bucket" in req.pipeline.names else None)
+        param_pls, report = complete_plan(traced, ctx, param_pls, wants_grad, req.budget, req.margin, req.buckets_mb)
         ctx = annotate(traced, info, param_pls, example_inputs, kwargs, req.in_specs, out_required,
                        constraints=recorded)
         if report is not None and req.budget is not None:  # the planner keeps the values within what is left
@@ -285,7 +289,7 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
 
     training = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.bucket_mb, req.remat)
+        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.buckets_mb, req.remat)
     say("sharding the inference program")
     gm = req.pipeline(traced.gm, ctx)
     progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
@@ -352,7 +356,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     """Trace the joint graph from the still-global forward, shard it with the forward's seeds, split it."""
     say("tracing forward + backward (joint graph)")
     joint = trace_joint(traced, traced.gm, wants_grad)
-    jctx = joint_context(traced, ctx, joint, bucket_mb if "bucket" in pipeline.names else None)
+    jctx = joint_context(traced, ctx, joint, bucket_mb)
     say(f"sharding the training program ({len(joint.gm.graph.nodes)} nodes)")
     gm = pipeline.run(joint.gm, jctx)
     split = partition(joint, gm, remat, ctx.mesh.sizes)

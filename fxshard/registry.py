@@ -176,6 +176,13 @@ def output_leaves(out_node: fx.Node) -> list[Any]:
     return res
 
 
+def tensor_output_leaves(out_node: fx.Node) -> list[tuple[int, fx.Node]]:
+    """The output node's tensor leaves, each with its index among all of ``output_leaves`` (the numbering of
+    ``ShardContext.out_required``: a Python scalar or None among the outputs has an index but no layout)."""
+    return [(j, x) for j, x in enumerate(output_leaves(out_node))
+            if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
+
+
 def outer_of(p: Pl, dim: int) -> int:
     """The strided-split factor a split of ``dim`` keeps when its input is laid out ``p``: ``p.outer``
     when ``p`` splits ``dim`` (``S(dim, outer)``, a packed dim), else 1 (a plain split). Rules offer

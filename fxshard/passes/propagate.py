@@ -29,8 +29,8 @@ from ..context import ShardContext
 from ..cost import axis_link, transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R
-from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all,
-                        strategy_specs, strategy_valid, tensor_inputs)
+from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, replicate_all,
+                        strategy_specs, strategy_valid, tensor_inputs, tensor_output_leaves)
 from ..constrain import CONSTRAIN_OP
 from ..ir import (FALLBACK_KEY, IN_KEY, META_KEY, STRATEGY_KEY, NodeSharding, OpClass, is_op, set_sharding, source_line,
                   spec_of)
@@ -260,14 +260,13 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
 
 def _require_outputs(node: fx.Node, ctx: ShardContext) -> None:
     req = []
-    for j, leaf in enumerate(output_leaves(node)):
-        if isinstance(leaf, fx.Node) and isinstance(leaf.meta.get("val"), torch.Tensor):
-            want = ctx.out_required[j] if j < len(ctx.out_required) else None
-            cur = leaf.meta[META_KEY]
-            if want is not None and not split_ok(cur.shape, want, ctx.mesh.sizes, uneven=True):
-                raise ShardingError(
-                    f"output {j} of shape {tuple(cur.shape)} cannot be returned as {want}: a split dim is not "
-                    f"divisible by its mesh axis; use out_specs that divide evenly (or Replicate())"
-                )
-            req.append(tuple(want) if want is not None else cur.placements)
+    for j, leaf in tensor_output_leaves(node):
+        want = ctx.out_required[j] if j < len(ctx.out_required) else None
+        cur = leaf.meta[META_KEY]
+        if want is not None and not split_ok(cur.shape, want, ctx.mesh.sizes, uneven=True):
+            raise ShardingError(
+                f"output {j} of shape {tuple(cur.shape)} cannot be returned as {want}: a split dim is not "
+                f"divisible by its mesh axis; use out_specs that divide evenly (or Replicate())"
+            )
+        req.append(tuple(want) if want is not None else cur.placements)
     node.meta[IN_KEY] = req

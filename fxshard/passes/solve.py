@@ -42,8 +42,8 @@ from ..context import ShardContext
 from ..cost import UNIFORM, Link, transition_cost
 from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
-from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, output_leaves, replicate_all,
-                        strategy_specs, strategy_valid, tensor_inputs)
+from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, replicate_all,
+                        strategy_specs, strategy_valid, tensor_inputs, tensor_output_leaves)
 from ..rules.matmul import ADD_EINSUMS, EINSUMS
 from ..spec import META_KEY, Spec
 from ..ir import FALLBACK_KEY, IN_KEY, STRATEGY_KEY
@@ -99,13 +99,6 @@ def links_of(problem: "Problem", u: ValueKey) -> tuple[Link, ...]:
     """The links value ``u``'s layout changes are priced on: ``problem.links``, with the bucket size for a
     gradient the bucket pass packs (``price`` applies it to the last reduction only)."""
     return problem.bucket_links if u in problem.bucketed else problem.links
-
-
-def _tensor_leaves(output: fx.Node) -> list[tuple[int, fx.Node]]:
-    """The output node's tensor leaves with their index among all its leaves (``ShardContext.out_required``'s
-    numbering; a Python scalar or None among the outputs has an index but no layout)."""
-    return [(j, x) for j, x in enumerate(output_leaves(output))
-            if isinstance(x, fx.Node) and isinstance(x.meta.get("val"), torch.Tensor)]
 
 
 def _nbytes(val: torch.Tensor) -> float:
@@ -315,7 +308,7 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
         spec = node.meta.get(META_KEY)
         if node.op == "output":
             req = node.meta.get(IN_KEY) or []  # one per tensor leaf; ctx's tables index every leaf
-            for (j, leaf), want in zip(_tensor_leaves(node), req):
+            for (j, leaf), want in zip(tensor_output_leaves(node), req):
                 if j in ctx.bucketed and all(isinstance(s, int) for s in leaf.meta["val"].shape):
                     problem.bucketed.add(_value_of(leaf))  # (bucket.py packs only concrete shapes)
                 if j in tied:
@@ -798,7 +791,7 @@ def apply(gm: fx.GraphModule, ctx: ShardContext, problem: Problem, picks: dict[s
     for node in gm.graph.nodes:
         if node.op == "output":
             req = list(node.meta.get(IN_KEY) or [])  # one per tensor leaf; ctx.out_required indexes every leaf
-            for t, (j, leaf) in enumerate(_tensor_leaves(node)[:len(req)]):
+            for t, (j, leaf) in enumerate(tensor_output_leaves(node)[:len(req)]):
                 if j >= len(ctx.out_required) or ctx.out_required[j] is None:
                     req[t] = leaf.meta[META_KEY].placements
             node.meta[IN_KEY] = req
