@@ -158,7 +158,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                            modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
                            reshard=None if getattr(model, "fxshard_fixed_modes", False)
-                           else _resharder(model, info, keep, placements, say), auto=report)
+                           else _resharder(model, info, keep, placements, say, dict(progs.traced.constants)),
+                           auto=report)
         if report is None:
             break
         sm._auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)
@@ -303,9 +304,11 @@ def _meta_like(x: Any) -> Any:
 
 
 def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers live on the meta device (no data is copied)."""
+    """A copy of ``model`` whose parameters, buffers and plain tensor attributes (``self.w = torch.ones(3)``:
+    traced as constants) live on the meta device (no data is copied)."""
     memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
+    attrs = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
+    for t in itertools.chain(model.parameters(), model.buffers(), attrs):
         if id(t) not in memo:
             meta = torch.empty_like(t, device="meta")
             memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
@@ -313,8 +316,11 @@ def _skeleton(model: nn.Module) -> nn.Module:
 
 
 def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict[str, tuple[Pl, ...]],
-               progress: Optional[Callable[[str], None]]) -> Callable[[dict[str, bool]], Programs]:
-    """``modes -> Programs``: shards a meta copy of ``model`` with its submodules in ``modes``."""
+               progress: Optional[Callable[[str], None]], constants: dict[str, Any]
+               ) -> Callable[[dict[str, bool], dict[str, bool]], Programs]:
+    """``(modes, trainable) -> Programs``: shards a meta copy of ``model`` with its submodules in ``modes``
+    (FQN -> training) and its parameters requiring grad as ``trainable`` says (FQN -> requires_grad).
+    ``constants``: the tensor constants of the first trace (by name), which the programs are given."""
     try:
         skeleton: Optional[nn.Module] = _skeleton(model)
         why = ""
@@ -324,20 +330,32 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
                   kwargs=pytree.tree_map(_meta_like, req.kwargs))
     name = type(model).__name__
 
-    def reshard(modes: dict[str, bool]) -> Programs:
+    def reshard(modes: dict[str, bool], trainable: dict[str, bool]) -> Programs:
         if skeleton is None:
             raise ShardingError(
-                f"ShardedModule({name}): the train/eval modes changed since shard(), which needs the model traced "
+                f"ShardedModule({name}): the train/eval modes or the parameters' requires_grad changed since "
+                f"shard(), which needs the model traced "
                 f"again, but fxshard could not keep a copy of it ({why}); shard the model in the modes you run it in"
             )
         for fqn, m in skeleton.named_modules():
             m.training = modes.get(fqn, m.training)
+        for fqn, flag in trainable.items():
+            skeleton.get_parameter(fqn).requires_grad_(flag)
         say = progress or (lambda msg: None)
-        say(f"modes changed: sharding {name} again for {_mode_text(modes)}")
+        say(f"modes changed: sharding {name} again for {_mode_text(modes)}, "
+            f"{sum(trainable.values())} of {len(trainable)} parameters trained")
         progs, again, _, _, _ = _shard_programs(skeleton, info, req, say)
         if again != placements:
             raise ShardingError(f"internal: sharding {name} for other modes placed its parameters differently; "
                                 f"please report this model")
+        for key, t in progs.traced.constants.items():  # the skeleton's are meta: the values shard() traced with
+            if isinstance(t, torch.Tensor) and t.device.type == "meta" and constants.get(key) is not None:
+                progs.traced.constants[key] = constants[key]
+            elif isinstance(t, torch.Tensor) and t.device.type == "meta":
+                raise ShardingError(
+                    f"ShardedModule({name}): in {_mode_text(modes)} the model uses a tensor attribute ({key}) that "
+                    f"the modes it was sharded in did not, so fxshard has no value for it; register it as a buffer "
+                    f"(self.register_buffer(...)) or shard the model in these modes")
         return progs
 
     return reshard
@@ -367,7 +385,7 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
     fb = list(jctx.fallbacks)
     updated = [i for i, slot in enumerate(traced.slots) if slot.kind == "buffer" and set(slot.names) & set(traced.mutations)]
     return Training(Program(fwd, "forward", fb), Program(bwd, "backward", fb), joint.n_out,
-                    joint.diff_out, joint.diff_in, updated)
+                    joint.diff_out, joint.diff_in, updated, joint.grad_out, joint.reaches)
 
 
 def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh, device: torch.device,

@@ -49,6 +49,8 @@ class Training:
     diff_out: list[int]
     diff_in: list[int]
     updated: list[int] = field(default_factory=list)  # primals: buffers the forward updates in place
+    grad_out: Optional[list[int]] = None  # outputs that need a gradient (None: every one of diff_out)
+    reaches: Optional[list[frozenset[int]]] = None  # per diff_in: the grad_out reaching it (None: all)
 
 
 @dataclass
@@ -78,8 +80,13 @@ class _RunSharded(torch.autograd.Function):
         ctx.others = [None if isinstance(x, torch.Tensor) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
-        non_diff = [o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in training.diff_out]
-        ctx.mark_non_differentiable(*non_diff)
+        diff = set(training.diff_out if training.grad_out is None else training.grad_out)
+        kept = {id(o) for i, o in enumerate(outs) if i in diff}
+        for i, o in enumerate(outs):  # a .detach()-ed copy of an output is the same program value: alias it
+            if isinstance(o, torch.Tensor) and i not in diff and id(o) in kept:
+                outs[i] = o.detach()
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in diff])
+        ctx.set_materialize_grads(False)  # None: an output the loss does not use (see backward)
         return tuple(outs)
 
     @staticmethod
@@ -98,8 +105,10 @@ class _RunSharded(torch.autograd.Function):
         grads = run_program(tr.bwd.gm, (*saved, *tangents), f"the backward of {ctx.where}")
         n_primals = len(ctx.needs_input_grad) - 2
         res: list[Any] = [None] * n_primals
-        for pos, g in zip(tr.diff_in, grads):
-            res[pos] = g
+        used = {i for i, g in enumerate(grad_outs) if g is not None}
+        for k, (pos, g) in enumerate(zip(tr.diff_in, grads)):
+            # as eager: no gradient (None, not zeros) for what no output used in the loss reaches
+            res[pos] = g if tr.reaches is None or tr.reaches[k] & used else None
         return (None, None, *res)
 
 
@@ -256,17 +265,18 @@ class ShardedModule(nn.Module):
 
     Modes follow eager: ``sm.train()``, ``sm.eval()`` and a submodule's
     ``sm.dropout.eval()`` change what the next call computes (dropout,
-    BatchNorm statistics, any ``self.training`` branch). The programs are
-    traced for the modes the model had at ``shard()``; the first call in a
-    combination of modes not seen before traces and shards the model again
-    for it (a collective, so every rank must switch modes together) and
-    caches the programs per combination.
+    BatchNorm statistics, any ``self.training`` branch). So does ``requires_grad``
+    of a parameter (``sm.l1.weight.requires_grad_(True)`` after shard() trains
+    it). The programs are traced for the modes and trainable parameters the
+    model had at ``shard()``; the first call in a combination not seen before
+    traces and shards the model again for it (a collective, so every rank must
+    make the same change) and caches the programs per combination.
     """
 
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
                  modules: Sequence[tuple[str, type, bool, str]] = (), name: str = "model",
-                 reshard: Optional[Callable[[dict[str, bool]], Programs]] = None, auto: Any = None,
+                 reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None, auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
         super().__init__()
         self._mesh = mesh
@@ -274,7 +284,8 @@ class ShardedModule(nn.Module):
         self._placements = placements
         self._global_shapes = global_shapes
         self._where = f"ShardedModule({name})"
-        self._reshard = reshard
+        # sharding again runs collectives and traces: never inside a TorchDynamo trace (a graph break there)
+        self._reshard = None if reshard is None else torch.compiler.disable(reshard)
         self._auto = auto
         self._src_data_rank = src_data_rank
         scopes: dict[str, nn.Module] = {"": self}
@@ -291,6 +302,7 @@ class ShardedModule(nn.Module):
             scopes[".".join(path)].add_module(leaf, scopes[fqn])
         self._mode_names = [fqn for fqn, _, _, first in modules if fqn == first] or [""]
         self._mode_scopes = [scopes[n] for n in self._mode_names]
+        self._param_names = [slot.names[0] for slot in programs.traced.slots if slot.kind == "param"]
         for slot in programs.traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue
@@ -328,17 +340,21 @@ class ShardedModule(nn.Module):
         return self._current.traced.slots
 
     def _mode_key(self) -> tuple[bool, ...]:
-        return tuple(m.training for m in self._mode_scopes)
+        """Each submodule's ``training``, then whether each parameter requires grad: what the programs are for."""
+        return (tuple(m.training for m in self._mode_scopes)
+                + tuple(self._lookup(n).requires_grad for n in self._param_names))
 
     def _for_mode(self) -> Programs:
-        """The programs for the modules' current modes, sharded on first use (see class doc)."""
+        """The programs for the modules' current modes and trainable parameters, sharded on first use (see
+        class doc)."""
         key = self._mode_key()
         progs = self._by_mode.get(key)
         if progs is None:
             if self._reshard is None:  # modes fixed by the caller (fxshard.backend: TorchDynamo re-captures)
                 return self._current
+            k = len(self._mode_names)
             with torch.enable_grad(), torch.random.fork_rng(devices=[]):  # tracing leaves the RNG as it was
-                progs = self._reshard(dict(zip(self._mode_names, key)))
+                progs = self._reshard(dict(zip(self._mode_names, key[:k])), dict(zip(self._param_names, key[k:])))
             self._by_mode[key] = progs
         if progs is not self._current:  # no attribute write on the common path (torch.compile traces this)
             self._current = progs
@@ -497,15 +513,18 @@ class ShardedModule(nn.Module):
         """The program's flat outputs (buffer updates first, written back here)."""
         feed = self._feed(progs, args, kwargs)
         tr = progs.training
+        if torch.is_grad_enabled():
+            for i, (slot, x) in enumerate(zip(progs.traced.slots, feed)):
+                if (slot.kind == "input" and isinstance(x, torch.Tensor) and x.requires_grad
+                        and (tr is None or i not in tr.diff_in)):
+                    raise ShardingError(
+                        f"input {slot.index} requires grad but the example input did not, so {self._where} has no "
+                        f"program for its gradient; pass an example input with requires_grad=True to shard() to get "
+                        f"its gradient, or call with a tensor that does not require grad (x.detach())"
+                    )
         if tr is not None and torch.is_grad_enabled() and any(
             isinstance(feed[i], torch.Tensor) and feed[i].requires_grad for i in tr.diff_in
         ):
-            for i, (slot, x) in enumerate(zip(progs.traced.slots, feed)):
-                if slot.kind == "input" and isinstance(x, torch.Tensor) and x.requires_grad and i not in tr.diff_in:
-                    raise ShardingError(
-                        f"input {slot.index} requires grad but the example input did not; pass an example input "
-                        f"with requires_grad=True to shard() to get its gradient"
-                    )
             outs = _RunSharded.apply(tr, self._where, *feed)
         else:
             outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")

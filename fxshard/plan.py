@@ -66,6 +66,14 @@ def to_placements(spec: Any, mesh: MeshInfo, ndim: int, what: str) -> tuple[Pl, 
                     f"use a dim in [-{ndim}, {ndim - 1}]"
                 )
             out.append(q)
+        kinds = sorted({q.op for q in out if isinstance(q, Part)})
+        if len(kinds) > 1:
+            raise ShardingError(
+                f"{what}: {spec!r} mixes partial reductions ({', '.join(kinds)}) over different mesh axes; their "
+                f"order would decide the value (max of sums is not sum of maxes), so fxshard does not take them: "
+                f"reduce one of them first (e.g. all-reduce the value over one axis before passing it) or use one "
+                f"kind of Partial on every axis"
+            )
         return tuple(out)
     raise ShardingError(
         f"{what}: {spec!r} is not a sharding spec; use P('tp', None), Shard(0), Replicate() or a ParallelStyle"

@@ -136,14 +136,18 @@ MIN_REPEATS = 4.0
 
 def joint_by_op(fwd_gm: fx.GraphModule, diff_in: list[int], diff_out: list[int],
                 interp_cls: Callable[..., fx.Interpreter], table: dict,
-                on_node: Callable[[fx.Node], None], force: bool = False) -> Optional[fx.GraphModule]:
+                on_node: Callable[[fx.Node], None], force: bool = False
+                ) -> Optional[tuple[fx.GraphModule, dict[fx.Node, bool]]]:
     """See module doc. ``interp_cls`` runs a one-op graph as the whole trace runs the forward
     (``_Differentiable``); ``on_node(n)`` is told the forward node being traced (for error messages).
-    Returns the joint graph before alias removal and CSE, with the forward's placeholder names; None
+    Returns the joint graph before alias removal and CSE, with the forward's placeholder names, and
+    whether autograd marks each forward node's value (any leaf of it) as needing a gradient; None
     also when ops repeat less than ``MIN_REPEATS`` times on average, unless ``force``."""
     try:
-        return _ByOp(fwd_gm, diff_in, diff_out, interp_cls, table, on_node, grad=True,
-                     min_repeats=0.0 if force else MIN_REPEATS).run()
+        by_op = _ByOp(fwd_gm, diff_in, diff_out, interp_cls, table, on_node, grad=True,
+                      min_repeats=0.0 if force else MIN_REPEATS)
+        gm = by_op.run()
+        return gm, {n: by_op.rg[n] if n in by_op.rg else any(by_op.leaf_rg.get(n, ())) for n in by_op.nodes}
     except Exception as e:  # noqa: BLE001 - outside what it handles (or an op fails): the whole trace decides
         _log.debug("the joint graph is traced whole: %s", e)
         return None

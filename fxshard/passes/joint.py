@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -49,7 +49,7 @@ from ..context import ShardContext
 from ..errors import ShardingError
 from ..fake_trace import fake_inputs, fake_like, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import INSERTED_KEY, STOP_KEY, VIEW_OPS, source_line
-from ..placements import R
+from ..placements import Part, Pl, R
 from ..registry import output_leaves
 from ..trace_by_op import by_op_enabled, joint_by_op
 from ..remat import Policy, check_policy, fit_budget, layer_sets, recomputed, value_bytes
@@ -67,6 +67,10 @@ class Joint:
     diff_out: list[int]  # forward output positions that get a tangent
     diff_in: list[int]  # primal positions that get a gradient
     n_out: int
+    # the positions of diff_out whose value autograd marks as needing a gradient (not .detach()-ed, ...)
+    grad_out: list[int] = field(default_factory=list)
+    # per diff_in: the grad_out positions whose gradient reaches it (None: every one, a single grad_out)
+    reaches: Optional[list[frozenset[int]]] = None
 
 
 def _tie_sizes(out: torch.Tensor, tangent: torch.Tensor) -> None:
@@ -90,12 +94,18 @@ class _Differentiable(fx.Interpreter):
 
     at: Optional[fx.Node] = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.requires_grad: dict[fx.Node, bool] = {}  # per node run: whether its value needs a gradient
+
     def run_node(self, n: fx.Node) -> Any:
         self.at = n
         if n.meta.get(STOP_KEY):
+            self.requires_grad[n] = False
             with self._set_current_node(n):
                 return self.env[n.args[0]].detach()
         res = super().run_node(n)
+        self.requires_grad[n] = any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(res))
         fns = {id(t.grad_fn): t.grad_fn for t in pytree.tree_leaves(res)
                if isinstance(t, torch.Tensor) and t.grad_fn is not None}
         for fn in fns.values():
@@ -184,11 +194,14 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
             quiet_unless_ok(), torch.enable_grad():
         gm = None
         if tracing_mode == "fake" and by_op:
-            gm = joint_by_op(fwd_gm, diff_in, diff_out, _Differentiable, table, lambda n: setattr(interp, "at", n),
-                             force=not auto)
+            fast = joint_by_op(fwd_gm, diff_in, diff_out, _Differentiable, table, lambda n: setattr(interp, "at", n),
+                               force=not auto)
+            if fast is not None:
+                gm, needs_grad = fast
         if gm is None:
             interp.at = None
             gm = functional_make_fx(joint, (primals, tangents), tracing_mode, table)
+            needs_grad = interp.requires_grad
             reject_effect_tokens(gm, "the training graph", "gradients (torch.no_grad() or .detach())")
             gm = named_placeholders(gm, [n.name for n in placeholders])
     for n in list(gm.graph.nodes):
@@ -200,7 +213,49 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
                                 f"please report this model")
     _read_written_noise(gm.graph)
     gm = _cse(gm)
-    return Joint(gm, len(primals), diff_out, diff_in, n_out)
+    grad_out = [i for i in diff_out if needs_grad.get(out_leaves[i], False)]
+    return Joint(gm, len(primals), diff_out, diff_in, n_out, grad_out,
+                 _reaches(fwd_gm, needs_grad, diff_in, {i: out_leaves[i] for i in grad_out}))
+
+
+def _gradient_layout(layout: Optional[tuple[Pl, ...]], slot: Any) -> Optional[tuple[Pl, ...]]:
+    """The layout a primal's gradient is returned in: the primal's own, except that a term of a sum over an axis
+    (``P(sum)``) gets the whole gradient there (``R``: d(sum)/d(term) is 1 on every rank, as DTensor's
+    ``from_local`` gives). A ``P(max)``/``P(min)`` primal's gradient would depend on which rank holds the extreme:
+    a ShardingError."""
+    if layout is None or not any(isinstance(p, Part) for p in layout):
+        return layout
+    other = [p for p in layout if isinstance(p, Part) and p.op != "sum"]
+    if other:
+        what = f"input {slot.index}" if slot.kind == "input" else " / ".join(slot.names)
+        raise ShardingError(
+            f"{what} is laid out {other[0]!r} (each rank holds a candidate; the value is their {other[0].op}) and needs a "
+            f"gradient, which fxshard does not compute for a partial {other[0].op}; reduce it before passing it (an "
+            f"all-reduce, then in_specs replicated), or pass it without requires_grad"
+        )
+    return tuple(R if isinstance(p, Part) else p for p in layout)
+
+
+def _reaches(fwd_gm: fx.GraphModule, needs_grad: dict[fx.Node, bool], diff_in: list[int],
+             outs: dict[int, fx.Node]) -> Optional[list[frozenset[int]]]:
+    """Per primal of ``diff_in``: the output positions of ``outs`` (position -> a forward value that needs a
+    gradient) from which autograd reaches it: a path of values that need a gradient (``needs_grad``) leads
+    from it to them. Eager leaves a ``.grad`` None when no output used in the loss reaches it. None for one
+    output or none."""
+    if len(outs) < 2:
+        return None
+    placeholders = [n for n in fwd_gm.graph.nodes if n.op == "placeholder"]
+    hit: dict[fx.Node, set[int]] = {}
+    for k, out in outs.items():
+        todo, seen = [out], {out}
+        while todo:
+            n = todo.pop()
+            hit.setdefault(n, set()).add(k)
+            for a in n.all_input_nodes:
+                if a not in seen and needs_grad.get(a, False):
+                    seen.add(a)
+                    todo.append(a)
+    return [frozenset(hit.get(placeholders[i], ())) for i in diff_in]
 
 
 def _read_written_noise(g: fx.Graph) -> None:
@@ -375,7 +430,8 @@ def joint_context(traced: Traced, ctx: ShardContext, joint: Joint, bucket_mb: Op
     k = len(ctx.mesh.sizes)
     for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
         jctx.seeds[t] = ctx.out_required[i] or (R,) * k
-    jctx.out_required = list(ctx.out_required) + [ctx.seeds.get(fwd_ph[i]) for i in joint.diff_in]
+    jctx.out_required = list(ctx.out_required) + [_gradient_layout(ctx.seeds.get(fwd_ph[i]), traced.slots[i])
+                                                  for i in joint.diff_in]
     if bucket_mb:
         jctx.bucketed = frozenset(range(len(ctx.out_required), len(jctx.out_required)))
     return jctx

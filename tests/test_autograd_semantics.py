@@ -1,0 +1,239 @@
+"""Autograd at the module boundary must match eager or fail loudly, never silently differ.
+
+Each case runs the sharded model on 2 gloo ranks next to the unsharded model on the same process
+(one ``run_ranks`` call for the module) and compares forward values and every full gradient:
+
+* an output returned next to its own ``.detach()`` (a logged copy) keeps its gradient, and the copy does
+  not require grad;
+* a parameter that only an output left out of the loss reaches gets ``.grad`` None, as in eager (a
+  zero tensor would let AdamW decay it);
+* ``requires_grad`` changed after ``shard()`` (one weight unfrozen; every weight unfrozen, with the
+  batch split) trains that weight from the next call;
+* an input declared ``Partial('sum')`` (each rank holds a term) gets the whole gradient on every rank;
+* a plain tensor attribute (not a buffer) survives a train -> eval switch;
+* ``torch.compile(sm)`` follows a train -> eval switch (sharding again outside the dynamo trace).
+
+Loud failures: an input that requires grad where the example did not, with no parameter to train
+(2 ranks); mixed partial kinds over two mesh axes in ``in_specs``, and a ``Partial('max')`` input that
+needs a gradient (fake process group).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import Partial, Replicate
+
+import fxshard
+from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
+from tests.dist_utils import run_ranks
+
+TOL = 1e-5
+PLAN = {"l1": ColwiseParallel(), "l2": RowwiseParallel()}
+
+
+class _Mlp(nn.Module):
+    def __init__(self, aux: bool = False, attr: bool = False) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.aux = nn.Linear(8, 4) if aux else None
+        self.drop = nn.Dropout(0.5)
+        self.scale = torch.linspace(0.5, 2.0, 8) if attr else None  # a plain attribute: traced as a constant
+
+    def forward(self, x: torch.Tensor):
+        o = self.l2(self.drop(torch.relu(self.l1(x))))
+        if self.scale is not None:
+            o = o * self.scale
+        if self.aux is not None:
+            return o, self.aux(x)
+        return o, o.detach()
+
+
+class _LossInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        loss = F.mse_loss(self.l2(torch.relu(self.l1(x))), y)
+        return {"loss": loss, "log": loss.detach()}
+
+
+def _grad_err(sm, ref: nn.Module) -> float:
+    """Largest difference between the sharded and eager gradients (inf when only one side has one)."""
+    err = 0.0
+    for n, p in sm.named_parameters():
+        r = ref.get_parameter(n).grad
+        if (p.grad is None) != (r is None):
+            return float("inf")
+        if r is not None:
+            err = max(err, (sm._dtensor(n, p.grad).full_tensor() - r).abs().max().item())
+    return err
+
+
+def _cases(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=2)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    out: dict = {}
+
+    def pair(ref: nn.Module, example: tuple):
+        return ref, fxshard.shard(copy.deepcopy(ref), mesh, PLAN, example_inputs=example)
+
+    # an output next to its own .detach()
+    torch.manual_seed(0)
+    ref, sm = pair(_Mlp().eval(), (x,))
+    sm.eval()
+    got, want = sm(x), ref(x)
+    got[0].square().sum().backward()
+    want[0].square().sum().backward()
+    out["detached_copy"] = {"fwd": max((a - b).abs().max().item() for a, b in zip(got, want)),
+                            "grad": _grad_err(sm, ref), "copy_requires_grad": got[1].requires_grad}
+    torch.manual_seed(0)
+    ref, sm = pair(_LossInside(), (x, y))
+    sm(x, y)["loss"].backward()
+    ref(x, y)["loss"].backward()
+    out["detached_loss_log"] = {"grad": _grad_err(sm, ref)}
+
+    # an output left out of the loss: its own weights get None, and AdamW agrees over steps
+    torch.manual_seed(0)
+    ref, sm = pair(_Mlp(aux=True).eval(), (x,))
+    sm.eval()
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=0.1), torch.optim.AdamW(sm.parameters(), lr=0.1)
+    nones, errs = [], []
+    for step in range(3):
+        main, aux = sm(x)
+        rmain, raux = ref(x)
+        (main.sum() + (aux.sum() if step == 1 else 0)).backward()
+        (rmain.sum() + (raux.sum() if step == 1 else 0)).backward()
+        nones.append((sm.aux.weight.grad is None, ref.aux.weight.grad is None))
+        errs.append(_grad_err(sm, ref))
+        opt.step(), opt_ref.step()
+        opt.zero_grad(set_to_none=True), opt_ref.zero_grad(set_to_none=True)
+    weights = max((sm._dtensor(n, p).full_tensor() - ref.get_parameter(n)).abs().max().item()
+                  for n, p in sm.named_parameters())
+    out["unused_output"] = {"nones": nones, "grad": max(errs), "weights_after_adamw": weights}
+
+    # requires_grad changed after shard()
+    torch.manual_seed(0)
+    ref = _Mlp().eval()
+    ref.l1.weight.requires_grad_(False)
+    sm = fxshard.shard(copy.deepcopy(ref), mesh, PLAN, example_inputs=(x,)).eval()
+    sm.l1.weight.requires_grad_(True)
+    ref.l1.weight.requires_grad_(True)
+    sm(x)[0].sum().backward()
+    ref(x)[0].sum().backward()
+    out["unfrozen_one"] = {"grad": _grad_err(sm, ref), "has_grad": sm.l1.weight.grad is not None}
+    torch.manual_seed(0)
+    ref = _Mlp().eval().requires_grad_(False)
+    sm = fxshard.shard(copy.deepcopy(ref), mesh, {}, example_inputs=(x,), in_specs=(P("tp"),)).eval()
+    sm.requires_grad_(True)
+    ref.requires_grad_(True)
+    sm(x.chunk(2)[rank])[0].square().sum().backward()  # the outputs are replicated (default out_specs)
+    ref(x)[0].square().sum().backward()
+    out["unfrozen_all_dp"] = {"grad": _grad_err(sm, ref)}
+
+    # an input given as one term of a sum per rank: d(loss)/d(term) is the whole gradient
+    class Mul(nn.Module):
+        def forward(self, a, b):
+            return a.relu() * b
+
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    terms = [torch.randn(4, 6, generator=g) for _ in range(2)]
+    a_terms = [terms[0], a - terms[0]]  # rank r holds a_terms[r]; their sum is a
+    sm = fxshard.shard(Mul(), mesh, {}, example_inputs=(a.requires_grad_(), b.requires_grad_()),
+                       in_specs=([Partial()], [Replicate()]))
+    la, lb = a_terms[rank].clone().requires_grad_(), b.detach().clone().requires_grad_()
+    ct = torch.randn(4, 6, generator=torch.Generator().manual_seed(5))
+    (sm(la, lb) * ct).sum().backward()
+    ra, rb = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    (Mul()(ra, rb) * ct).sum().backward()
+    out["partial_input"] = {"da": (la.grad - ra.grad).abs().max().item(),
+                            "db": (lb.grad - rb.grad).abs().max().item()}
+
+    # a plain tensor attribute through a train -> eval switch; compiled, through train -> eval
+    torch.manual_seed(0)
+    ref, sm = pair(_Mlp(attr=True), (x,))
+    sm(x)
+    sm.eval(), ref.eval()
+    out["attr_eval"] = (sm(x)[0] - ref(x)[0]).abs().max().item()
+    torch.manual_seed(0)
+    ref, sm = pair(_Mlp(), (x,))
+    cm = torch.compile(sm, backend="eager")
+    cm(x)[0].sum().backward()
+    sm.eval(), ref.eval()
+    out["compiled_eval"] = (cm(x)[0] - ref(x)[0]).abs().max().item()
+
+    # an input that requires grad where the example did not, and no parameter to train
+    class Cumsum(nn.Module):
+        def forward(self, v):
+            return v.cumsum(-1)
+
+    sm = fxshard.shard(Cumsum(), mesh, {}, example_inputs=(torch.randn(3, 6),), in_specs=(P(None, "tp"),))
+    try:
+        sm(torch.randn(3, 3, requires_grad=True))
+        out["untraced_input_grad"] = "no error"
+    except ShardingError as e:
+        out["untraced_input_grad"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    return run_ranks(_cases, 2, timeout=600)
+
+
+def test_an_output_and_its_detached_copy_keep_the_gradient(cases):
+    for r in cases:
+        assert r["detached_copy"]["fwd"] <= TOL and r["detached_copy"]["grad"] <= TOL, r["detached_copy"]
+        assert r["detached_copy"]["copy_requires_grad"] is False
+        assert r["detached_loss_log"]["grad"] <= TOL, r["detached_loss_log"]
+
+
+def test_weights_only_an_unused_output_reaches_get_no_gradient(cases):
+    for r in cases:
+        u = r["unused_output"]
+        assert u["nones"] == [(True, True), (False, False), (True, True)], u
+        assert u["grad"] <= TOL and u["weights_after_adamw"] <= 1e-5, u
+
+
+def test_requires_grad_changed_after_shard_trains_the_weight(cases):
+    for r in cases:
+        assert r["unfrozen_one"]["has_grad"] and r["unfrozen_one"]["grad"] <= TOL, r["unfrozen_one"]
+        assert r["unfrozen_all_dp"]["grad"] <= 1e-4, r["unfrozen_all_dp"]
+
+
+def test_a_partial_sum_input_gets_the_whole_gradient_on_every_rank(cases):
+    for r in cases:
+        assert r["partial_input"]["da"] <= TOL and r["partial_input"]["db"] <= TOL, r["partial_input"]
+
+
+def test_mode_switches_keep_tensor_attributes_and_work_compiled(cases):
+    for r in cases:
+        assert r["attr_eval"] <= TOL and r["compiled_eval"] <= TOL, r
+
+
+def test_an_input_gradient_without_a_program_raises(cases):
+    for r in cases:
+        assert "requires grad but the example input did not" in r["untraced_input_grad"], r
+
+
+class _Abs(nn.Module):
+    def forward(self, v):
+        return v.abs()
+
+
+def test_mixed_partial_kinds_are_refused(fake_mesh):
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    with pytest.raises(ShardingError, match=r"mixes partial reductions \(max, sum\)"):
+        fxshard.shard(_Abs(), mesh, {}, example_inputs=(torch.randn(4, 4),), in_specs=([Partial("max"), Partial()],))
+
+
+def test_a_partial_max_input_that_needs_a_gradient_is_refused(mesh2):
+    with pytest.raises(ShardingError, match=r"input 0 is laid out P\(max\).*needs a gradient"):
+        fxshard.shard(_Abs(), mesh2, {}, example_inputs=(torch.randn(4, 4, requires_grad=True),),
+                      in_specs=([Partial("max")],))
