@@ -41,7 +41,9 @@ def _constrain(x: torch.Tensor, key: str) -> torch.Tensor:
 
 @_constrain.register_fake
 def _constrain_fake(x: torch.Tensor, key: str) -> torch.Tensor:
-    return torch.empty_like(x)
+    # x's own strides: the sharded program drops the constraint and its consumers read x itself (a view
+    # traced on a row-major stand-in of a non-contiguous x would fail there)
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
 
 def _setup(ctx: Any, inputs: tuple, output: Any) -> None:

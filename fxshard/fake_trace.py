@@ -29,14 +29,16 @@ from .ir import source_line
 __all__ = ["fake_inputs", "fake_like", "functional_make_fx", "named_placeholders", "reject_effect_tokens"]
 
 
-def fake_like(val: Any, mode: FakeTensorMode) -> Any:
-    """A fake tensor of ``mode`` like ``val`` (global shape, same strides and device): nothing is
-    allocated. A data-dependent size (an unbacked symbol of an earlier trace, e.g. ``masked_select``'s)
-    becomes a fresh unbacked symbol of ``mode``. Non-tensors are returned as they are."""
+def fake_like(val: Any, mode: FakeTensorMode, contiguous: bool = False) -> Any:
+    """A fake tensor of ``mode`` like ``val`` (global shape, same strides, or row-major with ``contiguous``,
+    and device): nothing is allocated. A data-dependent size (an unbacked symbol of an earlier trace, e.g.
+    ``masked_select``'s) becomes a fresh unbacked symbol of ``mode``. Non-tensors are returned as they are."""
     if not isinstance(val, torch.Tensor):
         return val
     if not free_unbacked_symbols(val.shape):
         with mode:
+            if contiguous:
+                return torch.empty(val.shape, dtype=val.dtype, device=val.device)
             return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
     env = mode.shape_env
     with env.ignore_fresh_unbacked_symbols():  # an input's symbols: no op binds them

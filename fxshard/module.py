@@ -265,12 +265,13 @@ class ShardedModule(nn.Module):
 
     Modes follow eager: ``sm.train()``, ``sm.eval()`` and a submodule's
     ``sm.dropout.eval()`` change what the next call computes (dropout,
-    BatchNorm statistics, any ``self.training`` branch). So does ``requires_grad``
-    of a parameter (``sm.l1.weight.requires_grad_(True)`` after shard() trains
-    it). The programs are traced for the modes and trainable parameters the
-    model had at ``shard()``; the first call in a combination not seen before
-    traces and shards the model again for it (a collective, so every rank must
-    make the same change) and caches the programs per combination.
+    BatchNorm statistics, any ``self.training`` branch). So does unfreezing a
+    parameter (``sm.l1.weight.requires_grad_(True)`` after shard() trains it;
+    freezing one needs no new program). The programs are traced for the modes
+    and trainable parameters the model had at ``shard()``; the first call in a
+    combination not seen before traces and shards the model again for it (a
+    collective, so every rank must make the same change) and caches the
+    programs per combination.
     """
 
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
@@ -303,6 +304,7 @@ class ShardedModule(nn.Module):
         self._mode_names = [fqn for fqn, _, _, first in modules if fqn == first] or [""]
         self._mode_scopes = [scopes[n] for n in self._mode_names]
         self._param_names = [slot.names[0] for slot in programs.traced.slots if slot.kind == "param"]
+        self._trained = [slot.requires_grad for slot in programs.traced.slots if slot.kind == "param"]
         for slot in programs.traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue
@@ -340,9 +342,10 @@ class ShardedModule(nn.Module):
         return self._current.traced.slots
 
     def _mode_key(self) -> tuple[bool, ...]:
-        """Each submodule's ``training``, then whether each parameter requires grad: what the programs are for."""
+        """Each submodule's ``training``, then per parameter whether a program must train it: it requires grad
+        now or did at ``shard()`` (a parameter frozen since needs no other program: autograd drops its gradient)."""
         return (tuple(m.training for m in self._mode_scopes)
-                + tuple(self._lookup(n).requires_grad for n in self._param_names))
+                + tuple(t or self._lookup(n).requires_grad for n, t in zip(self._param_names, self._trained)))
 
     def _for_mode(self) -> Programs:
         """The programs for the modules' current modes and trainable parameters, sharded on first use (see

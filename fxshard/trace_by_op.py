@@ -324,7 +324,8 @@ class _ByOp:
         out_node = next(n for n in self.nodes if n.op == "output")
         self.out_leaves = pytree.tree_leaves(out_node.args, is_leaf=lambda x: isinstance(x, fx.Node))
         self._forward_sweep()
-        self.tangent_vals = [fake_like(self.out_leaves[i].meta["val"], self.mode) for i in self.diff_out]
+        self.tangent_vals = [fake_like(self.out_leaves[i].meta["val"], self.mode, contiguous=True)
+                             for i in self.diff_out]  # row-major: see trace_joint
         chosen = self._backward_sweep()
         return self._emit(chosen)
 

@@ -8,7 +8,7 @@ Each case runs the sharded model on 2 gloo ranks next to the unsharded model on 
 * a parameter that only an output left out of the loss reaches gets ``.grad`` None, as in eager (a
   zero tensor would let AdamW decay it);
 * ``requires_grad`` changed after ``shard()`` (one weight unfrozen; every weight unfrozen, with the
-  batch split) trains that weight from the next call;
+  batch split) trains that weight from the next call; freezing one since needs no new program;
 * an input declared ``Partial('sum')`` (each rank holds a term) gets the whole gradient on every rank;
 * a plain tensor attribute (not a buffer) survives a train -> eval switch;
 * ``torch.compile(sm)`` follows a train -> eval switch (sharding again outside the dynamo trace).
@@ -128,6 +128,12 @@ def _cases(rank: int, world: int) -> dict:
     sm(x)[0].sum().backward()
     ref(x)[0].sum().backward()
     out["unfrozen_one"] = {"grad": _grad_err(sm, ref), "has_grad": sm.l1.weight.grad is not None}
+    sm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+    sm.l2.requires_grad_(False), ref.l2.requires_grad_(False)  # frozen since: the programs above still serve
+    sm(x)[0].sum().backward()
+    ref(x)[0].sum().backward()
+    out["frozen_since"] = {"grad": _grad_err(sm, ref), "programs": len(sm._by_mode),
+                           "l2_grad_none": sm.l2.weight.grad is None and sm.l2.bias.grad is None}
     torch.manual_seed(0)
     ref = _Mlp().eval().requires_grad_(False)
     sm = fxshard.shard(copy.deepcopy(ref), mesh, {}, example_inputs=(x,), in_specs=(P("tp"),)).eval()
@@ -205,6 +211,8 @@ def test_requires_grad_changed_after_shard_trains_the_weight(cases):
     for r in cases:
         assert r["unfrozen_one"]["has_grad"] and r["unfrozen_one"]["grad"] <= TOL, r["unfrozen_one"]
         assert r["unfrozen_all_dp"]["grad"] <= 1e-4, r["unfrozen_all_dp"]
+        f = r["frozen_since"]
+        assert f["grad"] <= TOL and f["l2_grad_none"] and f["programs"] == 2, f  # shard()'s, and l1's unfrozen
 
 
 def test_a_partial_sum_input_gets_the_whole_gradient_on_every_rank(cases):

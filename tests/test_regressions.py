@@ -4,6 +4,8 @@ validator (``fxshard.rules.validate``) found: plans on the fake process group, n
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,6 +58,43 @@ class _TwoInputs(nn.Module):
         return self.lin(a) * 2 + b
 
 
+class _TransposedOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).transpose(1, 2)
+
+
+class _SliceIntoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x[:, :, 1:4])
+
+
+class _Attention(nn.Module):
+    """q/k/v projections, heads by view + transpose, SDPA: only ``k`` column-parallel (a redistributed
+    gradient of a transposed value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = lambda t: t.view(2, 5, 4, 2).transpose(1, 2)  # noqa: E731
+        o = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return o.transpose(1, 2).reshape(2, 5, 8)
+
+
+def _param_grad_err(sm: nn.Module, ref: nn.Module) -> float:
+    return max((sm._dtensor(n, p.grad).full_tensor() - ref.get_parameter(n).grad).abs().max().item()
+               for n, p in sm.named_parameters())
+
+
 def _grad_of(model: nn.Module, x: torch.Tensor, cot: torch.Tensor) -> torch.Tensor:
     x = x.detach().clone().requires_grad_()
     (model(x) * cot).sum().backward()
@@ -101,6 +140,25 @@ def _cases(rank: int, world: int) -> dict:
     sm = fxshard.shard(ref, mesh, example_inputs=(torch.zeros(2, 4),) * 2)
     a, b = torch.randn(2, 4, generator=gen), torch.randn(2, 4, generator=gen)
     res["same_example_twice"] = (sm(a, b) - ref(a, b)).abs().max().item()
+
+    # layouts the trace assumed and the run did not give ("view size is not compatible" crashes a fuzz of
+    # random models found): a transposed output's incoming gradient (row-major at run time, traced with the
+    # output's strides); a non-contiguous slice into a column-parallel linear (its constraint's stand-in was
+    # row-major); a redistributed gradient of a transposed value (the slice made it row-major; the global
+    # planner's plan)
+    for name, make, plan, shape in (("transposed_output", _TransposedOut, {}, (2, 5, 4)),
+                                    ("slice_into_colwise", _SliceIntoLinear, {"lin": fxshard.ColwiseParallel()}, (2, 5, 5)),
+                                    ("attention_k_colwise", _Attention, {"k": fxshard.ColwiseParallel()}, (2, 5, 8))):
+        for planner in ("greedy", "global"):
+            torch.manual_seed(0)
+            ref = make()
+            x = torch.randn(*shape, generator=gen)
+            sm = fxshard.shard(copy.deepcopy(ref), mesh, plan, example_inputs=(x,), planner=planner)
+            out, want = sm(x), ref(x)
+            cot = torch.randn(want.shape, generator=gen)
+            (out * cot).sum().backward()
+            (want * cot).sum().backward()
+            res[f"{name}/{planner}"] = max((out - want).abs().max().item(), _param_grad_err(sm, ref))
     return res
 
 
@@ -111,6 +169,8 @@ def test_fixed_cases_match_eager_on_two_ranks():
         assert res["int16"], res
         assert res["batch_norm_grad"] <= 1e-5 and res["batch_norm_stats"] <= 1e-5, res
         assert res["same_example_twice"] <= 1e-6, res
+        layouts = {k: v for k, v in res.items() if "/" in k}
+        assert len(layouts) == 6 and max(layouts.values()) <= 1e-5, layouts
 
 
 def test_local_slices_of_inner_dims_are_contiguous(mesh2):

@@ -187,8 +187,8 @@ def test_per_op_trace_gives_the_whole_trace_graph(name, monkeypatch):
     spy = _Spy(monkeypatch)
     fast = trace_joint(traced, traced.gm, wants, by_op=True)
     assert spy.results == [name not in WHOLE_JOINT], "the per-op path stepped aside, or did not"
-    assert (fast.n_primals, fast.diff_in, fast.diff_out, fast.n_out) == (
-        whole.n_primals, whole.diff_in, whole.diff_out, whole.n_out)
+    assert (fast.n_primals, fast.diff_in, fast.diff_out, fast.n_out, fast.grad_out, fast.reaches) == (
+        whole.n_primals, whole.diff_in, whole.diff_out, whole.n_out, whole.grad_out, whole.reaches)
     names = lambda gm: [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # noqa: E731
     assert names(fast.gm) == names(whole.gm)
     assert _ops(fast.gm) == _ops(whole.gm)

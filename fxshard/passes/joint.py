@@ -159,7 +159,9 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
     diff_out = [i for i, o in enumerate(out_leaves) if i >= len(traced.mutations) and isinstance(o, fx.Node)
                 and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].is_floating_point()]
     diff_in = [i for i, w in enumerate(wants_grad) if w]
-    tangents = [fake_like(out_leaves[i].meta["val"], mode) for i in diff_out]
+    # row-major, as _RunSharded.backward passes them (AOTAutograd does the same): a tangent traced with its
+    # output's strides (a transposed output) would meet views it cannot take at run time
+    tangents = [fake_like(out_leaves[i].meta["val"], mode, contiguous=True) for i in diff_out]
     n_out = len(out_leaves)
 
     def joint(primals: list, tangents: list):
@@ -250,7 +252,8 @@ def _reaches(fwd_gm: fx.GraphModule, needs_grad: dict[fx.Node, bool], diff_in: l
         todo, seen = [out], {out}
         while todo:
             n = todo.pop()
-            hit.setdefault(n, set()).add(k)
+            if n.op == "placeholder":
+                hit.setdefault(n, set()).add(k)
             for a in n.all_input_nodes:
                 if a not in seen and needs_grad.get(a, False):
                     seen.add(a)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+aten = torch.ops.aten
 
 from ..collectives import Emitter, redistribute_nodes
 from ..constrain import CONSTRAIN_OP
@@ -48,8 +51,10 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                     "dst": fmt_placements(want),
                     "graph": ctx.label,
                 }
-                new = redistribute_nodes(Emitter(g, node, reason), inp, spec, want, ctx.mesh)
+                e = Emitter(g, node, reason)
+                new = redistribute_nodes(e, inp, spec, want, ctx.mesh)
                 if new is not inp:  # the value's global meaning is unchanged; only its layout is
+                    new = _in_traced_order(e, new, inp.meta.get("val"))
                     new.meta["val"] = inp.meta["val"]
                     new.meta[META_KEY] = spec.with_placements(want)
                 done[key] = new
@@ -60,6 +65,26 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             _replace_inputs(node, ins, remap)
     gm.recompile()
     return gm
+
+
+def _in_traced_order(e: Emitter, x: fx.Node, val: object) -> fx.Node:
+    """``x`` (a redistributed value: collectives and slices make row-major pieces) dense in the dim order ``val``
+    was traced in, when that is not row-major (e.g. a transposed product): its consumers' views were traced on
+    that layout (``permute`` then ``view`` fails on a row-major piece)."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return x
+    try:
+        if val.is_contiguous() or not is_non_overlapping_and_dense_or_false(val):
+            return x
+        order = sorted((d for d in range(val.dim()) if val.shape[d] != 1), key=lambda d: (-int(val.stride()[d]), d))
+    except Exception:  # noqa: BLE001 - symbolic strides: left as the collective made it
+        return x
+    order += [d for d in range(val.dim()) if d not in order]  # size-1 dims: anywhere, innermost here
+    if order == sorted(order):
+        return x
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    dense = e.contiguous(e.op(aten.permute.default, x, order))
+    return e.op(aten.permute.default, dense, inverse)
 
 
 def _replace_inputs(node: fx.Node, ins: list, remap: dict) -> None:
