@@ -303,11 +303,19 @@ def _meta_like(x: Any) -> Any:
     return x
 
 
+def _tensor_attributes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain tensor attributes of ``model`` (``self.w = torch.ones(3)``, neither parameter nor buffer;
+    traced as constants named by their FQN), by FQN."""
+    return {f"{prefix}.{k}" if prefix else k: v for prefix, m in model.named_modules()
+            for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
+
+
 def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters, buffers and plain tensor attributes (``self.w = torch.ones(3)``:
-    traced as constants) live on the meta device (no data is copied)."""
+    """A copy of ``model`` whose parameters, buffers and plain tensor attributes live on the meta device (no
+    data is copied), except 0-dim attributes: a CPU scalar computes with meta tensors, and ``float(self.t)``
+    needs its value."""
     memo: dict[int, Any] = {}
-    attrs = (v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))
+    attrs = (v for v in _tensor_attributes(model).values() if v.dim() > 0)
     for t in itertools.chain(model.parameters(), model.buffers(), attrs):
         if id(t) not in memo:
             meta = torch.empty_like(t, device="meta")
@@ -321,6 +329,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     """``(modes, trainable) -> Programs``: shards a meta copy of ``model`` with its submodules in ``modes``
     (FQN -> training) and its parameters requiring grad as ``trainable`` says (FQN -> requires_grad).
     ``constants``: the tensor constants of the first trace (by name), which the programs are given."""
+    attributes = set(_tensor_attributes(model))
     try:
         skeleton: Optional[nn.Module] = _skeleton(model)
         why = ""
@@ -348,14 +357,18 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
         if again != placements:
             raise ShardingError(f"internal: sharding {name} for other modes placed its parameters differently; "
                                 f"please report this model")
-        for key, t in progs.traced.constants.items():  # the skeleton's are meta: the values shard() traced with
-            if isinstance(t, torch.Tensor) and t.device.type == "meta" and constants.get(key) is not None:
+        for key, t in progs.traced.constants.items():
+            if not (isinstance(t, torch.Tensor) and t.device.type == "meta"):
+                continue
+            if key in attributes and constants.get(key) is not None:  # the value shard() traced with
                 progs.traced.constants[key] = constants[key]
-            elif isinstance(t, torch.Tensor) and t.device.type == "meta":
-                raise ShardingError(
-                    f"ShardedModule({name}): in {_mode_text(modes)} the model uses a tensor attribute ({key}) that "
-                    f"the modes it was sharded in did not, so fxshard has no value for it; register it as a buffer "
-                    f"(self.register_buffer(...)) or shard the model in these modes")
+                continue
+            what = (f"a tensor attribute ({key}) that the modes it was sharded in did not use" if key in attributes
+                    else f"a tensor its forward creates ({key}) on the input's device, which fxshard traces on meta")
+            raise ShardingError(
+                f"ShardedModule({name}): in {_mode_text(modes)} the model uses {what}, so fxshard has no value for "
+                f"it after the mode change; register it as a buffer (self.register_buffer(...)), create it on the "
+                f"CPU, or shard the model in these modes")
         return progs
 
     return reshard

@@ -81,9 +81,10 @@ class _RunSharded(torch.autograd.Function):
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         diff = set(training.diff_out if training.grad_out is None else training.grad_out)
-        kept = {id(o) for i, o in enumerate(outs) if i in diff}
-        for i, o in enumerate(outs):  # a .detach()-ed copy of an output is the same program value: alias it
-            if isinstance(o, torch.Tensor) and i not in diff and id(o) in kept:
+        base = lambda t: t if t._base is None else t._base  # noqa: E731
+        kept = {id(base(o)) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)}
+        for i, o in enumerate(outs):  # a .detach()-ed copy of an output (or a view of it) shares its storage
+            if isinstance(o, torch.Tensor) and i not in diff and id(base(o)) in kept:
                 outs[i] = o.detach()
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in diff])
         ctx.set_materialize_grads(False)  # None: an output the loss does not use (see backward)

@@ -3,19 +3,21 @@
 Each case runs the sharded model on 2 gloo ranks next to the unsharded model on the same process
 (one ``run_ranks`` call for the module) and compares forward values and every full gradient:
 
-* an output returned next to its own ``.detach()`` (a logged copy) keeps its gradient, and the copy does
-  not require grad;
+* an output returned next to its own ``.detach()`` (a logged copy) keeps its gradient, and the copy (also a
+  view of it) does not require grad;
 * a parameter that only an output left out of the loss reaches gets ``.grad`` None, as in eager (a
   zero tensor would let AdamW decay it);
 * ``requires_grad`` changed after ``shard()`` (one weight unfrozen; every weight unfrozen, with the
   batch split) trains that weight from the next call; freezing one since needs no new program;
 * an input declared ``Partial('sum')`` (each rank holds a term) gets the whole gradient on every rank;
-* a plain tensor attribute (not a buffer) survives a train -> eval switch;
+* a plain tensor attribute (not a buffer, one of them read as a Python number) survives a train -> eval
+  switch;
 * ``torch.compile(sm)`` follows a train -> eval switch (sharding again outside the dynamo trace).
 
 Loud failures: an input that requires grad where the example did not, with no parameter to train
-(2 ranks); mixed partial kinds over two mesh axes in ``in_specs``, and a ``Partial('max')`` input that
-needs a gradient (fake process group).
+(2 ranks); mixed partial kinds over two mesh axes in ``in_specs``, a ``Partial('max')`` input that
+needs a gradient, and a tensor made on the input's device in a mode shard() did not trace (fake process
+group).
 """
 
 from __future__ import annotations
@@ -43,14 +45,25 @@ class _Mlp(nn.Module):
         self.aux = nn.Linear(8, 4) if aux else None
         self.drop = nn.Dropout(0.5)
         self.scale = torch.linspace(0.5, 2.0, 8) if attr else None  # a plain attribute: traced as a constant
+        self.temp = torch.tensor(2.0) if attr else None  # read as a Python number
 
     def forward(self, x: torch.Tensor):
         o = self.l2(self.drop(torch.relu(self.l1(x))))
         if self.scale is not None:
-            o = o * self.scale
+            o = o * self.scale / float(self.temp)
         if self.aux is not None:
             return o, self.aux(x)
         return o, o.detach()
+
+
+class _DetachedView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor):
+        o = self.l2(torch.relu(self.l1(x)))
+        return o, o.detach().view(-1)
 
 
 class _LossInside(nn.Module):
@@ -93,6 +106,15 @@ def _cases(rank: int, world: int) -> dict:
     want[0].square().sum().backward()
     out["detached_copy"] = {"fwd": max((a - b).abs().max().item() for a, b in zip(got, want)),
                             "grad": _grad_err(sm, ref), "copy_requires_grad": got[1].requires_grad}
+    ref, sm = pair(_DetachedView(), (x,))
+    got, want = sm(x), ref(x)
+    try:
+        got[1].sum().backward()
+        raised = "no error"
+    except RuntimeError as e:  # as eager: "element 0 of tensors does not require grad"
+        raised = str(e)
+    out["detached_view"] = {"requires_grad": [t.requires_grad for t in got],
+                            "eager": [t.requires_grad for t in want], "backward": raised}
     torch.manual_seed(0)
     ref, sm = pair(_LossInside(), (x, y))
     sm(x, y)["loss"].backward()
@@ -198,6 +220,8 @@ def test_an_output_and_its_detached_copy_keep_the_gradient(cases):
         assert r["detached_copy"]["fwd"] <= TOL and r["detached_copy"]["grad"] <= TOL, r["detached_copy"]
         assert r["detached_copy"]["copy_requires_grad"] is False
         assert r["detached_loss_log"]["grad"] <= TOL, r["detached_loss_log"]
+        v = r["detached_view"]
+        assert v["requires_grad"] == v["eager"] == [True, False] and "does not require grad" in v["backward"], v
 
 
 def test_weights_only_an_unused_output_reaches_get_no_gradient(cases):
@@ -245,3 +269,23 @@ def test_a_partial_max_input_that_needs_a_gradient_is_refused(mesh2):
     with pytest.raises(ShardingError, match=r"input 0 is laid out P\(max\).*needs a gradient"):
         fxshard.shard(_Abs(), mesh2, {}, example_inputs=(torch.randn(4, 4, requires_grad=True),),
                       in_specs=([Partial("max")],))
+
+
+class _MadeOnTheInputsDevice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.tensor([1.0 if self.training else 5.0] * 4, device=x.device)
+
+
+def test_a_tensor_made_on_the_inputs_device_in_an_untraced_mode_raises(mesh2):
+    """The meta copy that is sharded again after a mode switch makes it on meta: no value to run with. It
+    must not take the value of another tensor the first trace made (they are numbered, not named)."""
+    x = torch.randn(2, 4)
+    sm = fxshard.shard(_MadeOnTheInputsDevice(), mesh2, {}, example_inputs=(x,))
+    sm(x)
+    sm.eval()
+    with pytest.raises(ShardingError, match=r"a tensor its forward creates .* on the input's device"):
+        sm(x)

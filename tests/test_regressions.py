@@ -204,3 +204,23 @@ def test_var_dim_reads_keepdim_after_unbiased():
 def test_split_ok_rejects_a_dim_the_tensor_does_not_have():
     assert not split_ok((4, 5), (S(2),), (2,))
     assert split_ok((4, 6), (S(1),), (2,)) and split_ok((4, 6), (R,), (2,))
+
+
+def test_dynamic_shapes_keep_their_symbols_through_a_restrided_redistribution(fake_mesh, monkeypatch):
+    """An FSDP-style plan on dp x tp with a dynamic batch and sequence: the attention heads' value is
+    redistributed and made dense in its traced order; deciding that read its symbolic strides, which
+    pinned the sequence length to the example's and failed the verifier (FXSHARD_VERIFY=1 in CI)."""
+    from torch.export import Dim
+
+    from tests import models
+
+    monkeypatch.setenv("FXSHARD_VERIFY", "1")
+    mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
+    model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=1, max_seq=16, tie=False)
+    toks = models.make_tokens(4, 8, 64, seed=0), models.make_tokens(4, 8, 64, seed=1)
+    b, s = Dim("batch", min=1, max=64), Dim("seq", min=2, max=16)
+    sm = fxshard.shard(model, mesh, {"*": P("dp")}, example_inputs=toks, in_specs=(P("dp"), P("dp")),
+                       dynamic_shapes=({0: 2 * b, 1: s}, {0: 2 * b, 1: s}))
+    tokens = [n.meta["val"] for n in sm.sharding.training.fwd.gm.graph.nodes
+              if n.op == "placeholder" and getattr(n.meta.get("val"), "dtype", None) == torch.long]
+    assert tokens and all(not isinstance(t.shape[1], int) for t in tokens), tokens  # the sequence stays symbolic

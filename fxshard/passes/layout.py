@@ -28,7 +28,7 @@ from ..ir import INSERTED_KEY, VIEW_OPS, OpClass, is_op
 
 aten = torch.ops.aten
 
-__all__ = ["pin_layouts", "LAYOUT_FOLLOWS_INPUTS"]
+__all__ = ["pin_layouts", "LAYOUT_FOLLOWS_INPUTS", "memory_order", "reads_strides"]
 
 LAYOUT_FOLLOWS_INPUTS = frozenset(op for op in (
     aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -36,7 +36,7 @@ LAYOUT_FOLLOWS_INPUTS = frozenset(op for op in (
 ) if is_op(op, OpClass.LAYOUT_FOLLOWS_INPUTS))
 
 
-def _memory_order(val: torch.Tensor) -> Optional[list[int]]:
+def memory_order(val: torch.Tensor) -> Optional[list[int]]:
     """The dims of ``val`` from largest to smallest stride, or None when that is the identity (or unknown)."""
     strides = [optimization_hint(s, fallback=1) for s in val.stride()]  # hints: no guards on symbolic sizes
     sizes = [optimization_hint(s, fallback=2) for s in val.shape]
@@ -45,6 +45,25 @@ def _memory_order(val: torch.Tensor) -> Optional[list[int]]:
     if keyed == [d for d in range(val.dim()) if sizes[d] != 1]:
         return None
     return order
+
+
+# views that need their input's strides to fit (the others only relabel dims and pass the layout on)
+_STRIDED = frozenset({aten.view.default, aten._unsafe_view.default, aten.as_strided.default,
+                      aten.view_as_complex.default, aten.view_as_real.default})
+
+
+def reads_strides(x: fx.Node) -> bool:
+    """Whether some consumer of ``x``, directly or through views that pass its layout on (permute, slice,
+    ...), is a view whose result depends on ``x``'s strides (``view`` of merged dims, ``as_strided``)."""
+    todo, seen = [x], {x}
+    while todo:
+        for u in todo.pop().users:
+            if u.target in _STRIDED:
+                return True
+            if u.target in VIEW_OPS and u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return False
 
 
 def _pin(g: fx.Graph, x: fx.Node, order: list[int]) -> None:
@@ -77,7 +96,7 @@ def pin_layouts(gm: fx.GraphModule) -> fx.GraphModule:
             val = item.meta.get("val")
             if not isinstance(val, torch.Tensor) or not any(u.target in VIEW_OPS for u in item.users):
                 continue
-            order = _memory_order(val)
+            order = memory_order(val)
             if order is not None:
                 _pin(g, item, order)
     return gm

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-aten = torch.ops.aten
 
 from ..collectives import Emitter, redistribute_nodes
 from ..constrain import CONSTRAIN_OP
@@ -22,6 +19,9 @@ from ..context import ShardContext
 from ..registry import tensor_inputs
 from ..ir import IN_KEY, META_KEY, source_line
 from ..spec import fmt_placements
+from .layout import memory_order, reads_strides
+
+aten = torch.ops.aten
 
 __all__ = ["redistribute"]
 
@@ -54,7 +54,7 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                 e = Emitter(g, node, reason)
                 new = redistribute_nodes(e, inp, spec, want, ctx.mesh)
                 if new is not inp:  # the value's global meaning is unchanged; only its layout is
-                    new = _in_traced_order(e, new, inp.meta.get("val"))
+                    new = _in_traced_order(e, new, inp)
                     new.meta["val"] = inp.meta["val"]
                     new.meta[META_KEY] = spec.with_placements(want)
                 done[key] = new
@@ -67,23 +67,19 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     return gm
 
 
-def _in_traced_order(e: Emitter, x: fx.Node, val: object) -> fx.Node:
-    """``x`` (a redistributed value: collectives and slices make row-major pieces) dense in the dim order ``val``
-    was traced in, when that is not row-major (e.g. a transposed product): its consumers' views were traced on
-    that layout (``permute`` then ``view`` fails on a row-major piece)."""
+def _in_traced_order(e: Emitter, x: fx.Node, traced: fx.Node) -> fx.Node:
+    """``x`` (``traced`` redistributed: collectives and slices make row-major pieces) dense in the dim order
+    ``traced`` had while tracing, when that is not row-major (e.g. a transposed product) and a consumer reads
+    its strides (``permute`` then ``view``: a view traced on that layout fails on a row-major piece, an
+    ``as_strided`` would read other elements). ``contiguous`` copies only when the order differs at run time."""
+    val = traced.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() < 2:
         return x
-    try:
-        if val.is_contiguous() or not is_non_overlapping_and_dense_or_false(val):
-            return x
-        order = sorted((d for d in range(val.dim()) if val.shape[d] != 1), key=lambda d: (-int(val.stride()[d]), d))
-    except Exception:  # noqa: BLE001 - symbolic strides: left as the collective made it
+    order = memory_order(val)
+    if order is None or not reads_strides(traced):
         return x
-    order += [d for d in range(val.dim()) if d not in order]  # size-1 dims: anywhere, innermost here
-    if order == sorted(order):
-        return x
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    dense = e.contiguous(e.op(aten.permute.default, x, order))
+    inverse = [order.index(d) for d in range(len(order))]
+    dense = e.op(aten.contiguous.default, e.op(aten.permute.default, x, order))
     return e.op(aten.permute.default, dense, inverse)
 
 
