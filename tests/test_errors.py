@@ -248,3 +248,21 @@ def test_inspecting_something_not_sharded_is_a_sharding_error():
         with pytest.raises(fxshard.ShardingError, match=r"fxshard\.\w+ expects a module returned by fxshard\.shard.*"
                                                         r"got Linear"):
             fn(nn.Linear(2, 2))
+
+
+class _FlatHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).reshape(-1, 8)
+
+
+def test_a_group_cut_in_a_reshape_the_backward_makes_names_the_specs_not_a_projection(mesh2):
+    """out_specs split the flattened output (18 rows = 3 x 6) over 2 ranks: the gradient's reshape back to
+    [3, 6, 8] has no line in the model, so the fix to offer is the specs, not a ColwiseParallel option."""
+    with pytest.raises(fxshard.ShardingError) as err:
+        fxshard.shard(_FlatHead(), mesh2, {}, example_inputs=(torch.randn(3, 6, 8),), out_specs=fxshard.P("tp", None))
+    msg = str(err.value)
+    assert "no line of the model" in msg and "out_specs" in msg and "ColwiseParallel" not in msg, msg

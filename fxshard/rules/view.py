@@ -114,13 +114,16 @@ def reject_group_cut(call: OpCall, n: int) -> None:
             continue
         if divides(factors[0], p.outer * n):
             return
-        where = source_line(call.node) or call.node.name
+        line = source_line(call.node)
+        where = line or f"{call.node.name} (no line of the model: a reshape its gradient or a decomposition makes)"
+        keep = ("e.g. ColwiseParallel(output_layouts=Replicate()) on the projection that produces it, or no plan "
+                "entry for it" if line else
+                f"in_specs, out_specs or constraints that do not split dim {p.dim} of the value reshaped there")
         raise ShardingError(
             f"{where}: this view reshapes dim {p.dim} (size {in_shape[p.dim]}, split over a mesh axis of {n} "
             f"ranks) into {list(factors)}, and {n} does not divide the {factors[0]} groups (e.g. attention "
             f"heads), so a rank would hold part of a group. Use a group/head count divisible by {n} or a "
-            f"smaller mesh axis, or keep the tensor whole here (e.g. ColwiseParallel(output_layouts=Replicate()) "
-            f"on the projection that produces it, or no plan entry for it)"
+            f"smaller mesh axis, or keep the tensor whole here ({keep})"
         )
 
 
