@@ -329,7 +329,10 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     """``(modes, trainable) -> Programs``: shards a meta copy of ``model`` with its submodules in ``modes``
     (FQN -> training) and its parameters requiring grad as ``trainable`` says (FQN -> requires_grad).
     ``constants``: the tensor constants of the first trace (by name), which the programs are given."""
-    attributes = set(_tensor_attributes(model))
+    # the tensors a traced constant may be, by FQN (a wrapper such as loss_parallel's makes its model's
+    # buffers constants); a tensor the forward creates is numbered (lifted_tensor_N), not one of these
+    attributes = set(_tensor_attributes(model)) | {n for n, _ in itertools.chain(
+        model.named_buffers(remove_duplicate=False), model.named_parameters(remove_duplicate=False))}
     try:
         skeleton: Optional[nn.Module] = _skeleton(model)
         why = ""
