@@ -310,12 +310,12 @@ def _tensor_attributes(model: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in vars(m).items() if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)}
 
 
-def _skeleton(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters, buffers and plain tensor attributes live on the meta device (no
-    data is copied), except 0-dim attributes: a CPU scalar computes with meta tensors, and ``float(self.t)``
-    needs its value."""
+def _skeleton(model: nn.Module, attributes: dict[str, torch.Tensor]) -> nn.Module:
+    """A copy of ``model`` whose parameters, buffers and plain tensor attributes (``attributes``, from
+    ``_tensor_attributes``) live on the meta device (no data is copied), except 0-dim attributes: a CPU scalar
+    computes with meta tensors, and ``float(self.t)`` needs its value."""
     memo: dict[int, Any] = {}
-    attrs = (v for v in _tensor_attributes(model).values() if v.dim() > 0)
+    attrs = (v for v in attributes.values() if v.dim() > 0)
     for t in itertools.chain(model.parameters(), model.buffers(), attrs):
         if id(t) not in memo:
             meta = torch.empty_like(t, device="meta")
@@ -331,10 +331,11 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     ``constants``: the tensor constants of the first trace (by name), which the programs are given."""
     # the tensors a traced constant may be, by FQN (a wrapper such as loss_parallel's makes its model's
     # buffers constants); a tensor the forward creates is numbered (lifted_tensor_N), not one of these
-    attributes = set(_tensor_attributes(model)) | {n for n, _ in itertools.chain(
+    plain = _tensor_attributes(model)
+    attributes = set(plain) | {n for n, _ in itertools.chain(
         model.named_buffers(remove_duplicate=False), model.named_parameters(remove_duplicate=False))}
     try:
-        skeleton: Optional[nn.Module] = _skeleton(model)
+        skeleton: Optional[nn.Module] = _skeleton(model, plain)
         why = ""
     except Exception as e:  # noqa: BLE001 - reported when (if ever) the modes change
         skeleton, why = None, f"{type(e).__name__}: {e}"

@@ -28,7 +28,7 @@ from ..ir import INSERTED_KEY, VIEW_OPS, OpClass, is_op
 
 aten = torch.ops.aten
 
-__all__ = ["pin_layouts", "LAYOUT_FOLLOWS_INPUTS", "memory_order", "reads_strides"]
+__all__ = ["pin_layouts", "pin", "LAYOUT_FOLLOWS_INPUTS", "memory_order", "reads_strides"]
 
 LAYOUT_FOLLOWS_INPUTS = frozenset(op for op in (
     aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -66,7 +66,9 @@ def reads_strides(x: fx.Node) -> bool:
     return False
 
 
-def _pin(g: fx.Graph, x: fx.Node, order: list[int]) -> None:
+def pin(g: fx.Graph, x: fx.Node, order: list[int]) -> fx.Node:
+    """``permute(contiguous(permute(x, order)), inverse)`` right after ``x`` (which must carry its traced
+    ``meta["val"]``), in place of ``x`` for its users: ``x`` dense in the stride order ``order``. Returns it."""
     inverse = [order.index(d) for d in range(len(order))]
     users = [u for u in x.users]
     with g.inserting_after(x):
@@ -84,6 +86,7 @@ def _pin(g: fx.Graph, x: fx.Node, order: list[int]) -> None:
         n.meta[INSERTED_KEY] = True
     for u in users:
         u.replace_input_with(x, back)
+    return back
 
 
 def pin_layouts(gm: fx.GraphModule) -> fx.GraphModule:
@@ -98,5 +101,5 @@ def pin_layouts(gm: fx.GraphModule) -> fx.GraphModule:
                 continue
             order = memory_order(val)
             if order is not None:
-                _pin(g, item, order)
+                pin(g, item, order)
     return gm

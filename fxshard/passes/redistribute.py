@@ -19,9 +19,7 @@ from ..context import ShardContext
 from ..registry import tensor_inputs
 from ..ir import IN_KEY, META_KEY, source_line
 from ..spec import fmt_placements
-from .layout import memory_order, reads_strides
-
-aten = torch.ops.aten
+from .layout import memory_order, pin, reads_strides
 
 __all__ = ["redistribute"]
 
@@ -51,12 +49,11 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                     "dst": fmt_placements(want),
                     "graph": ctx.label,
                 }
-                e = Emitter(g, node, reason)
-                new = redistribute_nodes(e, inp, spec, want, ctx.mesh)
+                new = redistribute_nodes(Emitter(g, node, reason), inp, spec, want, ctx.mesh)
                 if new is not inp:  # the value's global meaning is unchanged; only its layout is
-                    new = _in_traced_order(e, new, inp)
                     new.meta["val"] = inp.meta["val"]
                     new.meta[META_KEY] = spec.with_placements(want)
+                    new = _in_traced_order(g, new, inp)
                 done[key] = new
             if done[key] is inp:
                 continue
@@ -67,7 +64,7 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     return gm
 
 
-def _in_traced_order(e: Emitter, x: fx.Node, traced: fx.Node) -> fx.Node:
+def _in_traced_order(g: fx.Graph, x: fx.Node, traced: fx.Node) -> fx.Node:
     """``x`` (``traced`` redistributed: collectives and slices make row-major pieces) dense in the dim order
     ``traced`` had while tracing, when that is not row-major (e.g. a transposed product) and a consumer reads
     its strides (``permute`` then ``view``: a view traced on that layout fails on a row-major piece, an
@@ -78,9 +75,7 @@ def _in_traced_order(e: Emitter, x: fx.Node, traced: fx.Node) -> fx.Node:
     order = memory_order(val)
     if order is None or not reads_strides(traced):
         return x
-    inverse = [order.index(d) for d in range(len(order))]
-    dense = e.op(aten.contiguous.default, e.op(aten.permute.default, x, order))
-    return e.op(aten.permute.default, dense, inverse)
+    return pin(g, x, order)
 
 
 def _replace_inputs(node: fx.Node, ins: list, remap: dict) -> None:
