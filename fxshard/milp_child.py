@@ -5,7 +5,8 @@ it started with. Its fd 1 is pointed at stderr first, so HiGHS's log (``disp``) 
 replies. Imports numpy and scipy only (not fxshard, not torch).
 
 A request is a dict with ``cost``, ``integer``, ``lb``, ``ub`` (per variable), ``rows``, ``cols``, ``coef``
-(the constraint matrix as triplets), ``row_lb``, ``row_ub`` (per row) and ``options`` (``scipy.optimize.milp``'s).
+(the constraint matrix as triplets), ``row_lb``, ``row_ub`` (per row), ``options`` (``scipy.optimize.milp``'s) and
+``highs`` (HiGHS options passed verbatim; dropped if this scipy rejects one).
 A reply is ``{"x", "status", "success", "message", "mip_gap"}`` from ``scipy.optimize.milp``,
 ``{"import_error": "<type>: <message>"}`` when numpy or scipy does not import, or
 ``{"error": "<type>: <message>"}`` when building or solving the problem raised.
@@ -14,6 +15,22 @@ A reply is ``{"x", "status", "success", "message", "mip_gap"}`` from ``scipy.opt
 import os
 import pickle
 import sys
+import warnings
+
+
+def _solve(milp, req, *args, **kwargs):
+    """``milp`` with the request's options and its HiGHS tuning (``highs``: passed to HiGHS verbatim, which
+    scipy warns about; an option this HiGHS does not know is skipped by scipy); solved again without the
+    tuning when this scipy raises on it."""
+    tuning = req.get("highs") or {}
+    if tuning:
+        try:
+            with warnings.catch_warnings():  # scipy's (and its HiGHS wrapper's) notes that it passes them on
+                warnings.filterwarnings("ignore", "Unrecognized options")
+                return milp(*args, **kwargs, options={**req["options"], **tuning})
+        except (AttributeError, KeyError, TypeError, ValueError):
+            pass
+    return milp(*args, **kwargs, options=req["options"])
 
 
 def main() -> None:
@@ -38,10 +55,9 @@ def main() -> None:
         else:
             try:
                 a = csr_array((req["coef"], (req["rows"], req["cols"])), shape=(len(req["row_lb"]), len(req["cost"])))
-                res = milp(np.asarray(req["cost"]), integrality=np.asarray(req["integer"]),
-                           bounds=Bounds(np.asarray(req["lb"]), np.asarray(req["ub"])),
-                           constraints=LinearConstraint(a, np.asarray(req["row_lb"]), np.asarray(req["row_ub"])),
-                           options=req["options"])
+                res = _solve(milp, req, np.asarray(req["cost"]), integrality=np.asarray(req["integer"]),
+                             bounds=Bounds(np.asarray(req["lb"]), np.asarray(req["ub"])),
+                             constraints=LinearConstraint(a, np.asarray(req["row_lb"]), np.asarray(req["row_ub"])))
                 reply = {"x": res.x, "status": res.status, "success": res.success, "message": res.message,
                          "mip_gap": getattr(res, "mip_gap", None)}
             except Exception as e:  # the parent turns it into a ShardingError

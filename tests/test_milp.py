@@ -167,3 +167,29 @@ def test_a_child_that_died_while_idle_is_replaced_without_blaming_the_problem(fr
     with caplog.at_level(logging.WARNING, logger="fxshard.milp"):
         assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
     assert handed == [dead] and not caplog.text, caplog.text
+
+
+def test_highs_tuning_reaches_highs_silently_and_a_scipy_that_rejects_it_solves_without_it(fresh_child, monkeypatch,
+                                                                                            capfd, tmp_path):
+    """``milp.HIGHS_TUNING`` goes to HiGHS verbatim (a zero time limit there stops the search), silently (scipy's
+    warnings about options it passes on or skips stay in the child); a scipy that raises on the tuning (as
+    one whose HiGHS binding lacks an option does) solves without it."""
+    p = _assignment(seed=7)
+    assert milp.HIGHS_TUNING and np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
+    monkeypatch.setattr(milp, "HIGHS_TUNING", {"time_limit": 0.0})
+    assert milp.solve(**p, options={}).status == 1  # HiGHS's time limit
+    monkeypatch.setattr(milp, "HIGHS_TUNING", {"mip_heuristic_run_rins": False, "no_such_highs_option": True})
+    assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
+    assert "Unrecognized options" not in capfd.readouterr().err
+    milp.stop()
+    strict = ("import runpy, scipy.optimize as o\n"
+              "real = o.milp\n"
+              "def milp(*a, options=None, **k):\n"
+              "    if set(options) - {'disp', 'presolve', 'time_limit', 'node_limit', 'mip_rel_gap'}:\n"
+              "        raise AttributeError('HighsOptions has no attribute')\n"
+              "    return real(*a, options=options, **k)\n"
+              "o.milp = milp\n"
+              f"runpy.run_path({str(milp._SCRIPT)!r}, run_name='__main__')\n")
+    monkeypatch.setattr(milp, "_command", lambda: [sys.executable, "-P", "-c", strict])
+    got = milp.solve(**p, options={})
+    assert got.status == 0 and np.array_equal(got.x, _in_process(p).x)
