@@ -18,6 +18,8 @@ from typing import Any, Optional, Sequence
 
 import sympy
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import ShardingError
 from .mesh import MeshInfo
@@ -71,9 +73,12 @@ class InputCheck:
                 break
         return InputCheck(indices, vals, placements, info, ranges)
 
-    def check(self, tensors: Sequence[Any]) -> None:
+    def check(self, tensors: Sequence[Any], mesh: Optional[DeviceMesh] = None) -> None:
         """Raise a ShardingError naming the input, dim and declaration that ``tensors`` (one per
-        index given at construction, in that order) violate."""
+        index given at construction, in that order) violate. With ``mesh`` (the module's) and dynamic
+        dims, every rank of it must call this (one small all-reduce per mesh dim): the ranks' values of
+        each dynamic size must agree, since one program runs on all of them (a rank given a piece of
+        another size would compute, or exchange, with a size its peers do not have)."""
         for i, x, nd, dtype in zip(self._indices, tensors, self._ndims, self._dtypes):
             if not isinstance(x, torch.Tensor):
                 continue
@@ -139,6 +144,26 @@ class InputCheck:
                 raise ShardingError(
                     f"{what} gives {sym} = {v}, but input {self._indices[first.index]} dim {first.dim} gave "
                     f"{sym} = {bound[sym][0]}; dims declared with the same Dim must agree"
+                )
+        if bound and mesh is not None:
+            self._agree(bound, mesh)
+
+    @torch.compiler.disable
+    def _agree(self, bound: dict, mesh: DeviceMesh) -> None:
+        syms = sorted(bound, key=str)
+        values = [bound[s][0] for s in syms]
+        t = torch.tensor(values + [-v for v in values], dtype=torch.int64, device=self._device_type)
+        for d in range(mesh.ndim):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
+        for k, (sym, v) in enumerate(zip(syms, values)):
+            hi, lo = int(t[k]), -int(t[len(syms) + k])
+            if hi != lo:
+                r = bound[sym][1]
+                raise ShardingError(
+                    f"input {self._indices[r.index]} dim {r.dim} gives {sym} = {v} on this rank, but the ranks "
+                    f"of the mesh disagree ({sym} from {lo} to {hi}): one program runs on every rank, so each "
+                    f"must pass its piece of the same global tensor (x.chunk(n, dim)[i], equal pieces) and the "
+                    f"same sizes in dims that are not split"
                 )
 
 

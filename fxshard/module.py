@@ -445,7 +445,7 @@ class ShardedModule(nn.Module):
                     f"specializes non-tensor arguments); pass {example!r}, pass the value as a tensor, or shard "
                     f"again with this value in example_inputs")
         leaves = [flat[i] for i in traced.tensor_leaf_positions]
-        progs.input_check.check([leaves[s.index] for s in traced.slots if s.kind == "input"])
+        progs.input_check.check([leaves[s.index] for s in traced.slots if s.kind == "input"], self._mesh)
         feed: list[Any] = []
         for slot in traced.slots:
             if slot.kind in ("param", "buffer"):

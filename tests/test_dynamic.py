@@ -55,13 +55,29 @@ def _seq_split(rank: int, world: int) -> dict:
     except ShardingError as e:
         err = str(e)
     w = sm.full_state_dict()["lin.weight"]
-    return {"loss_err": worst, "w_err": (w - model.lin.weight).abs().max().item(), "odd_error": err}
+    disagree = {}
+    # each rank's size is valid alone; together they are no global input (a replicated dim of other
+    # lengths; a split dim of 5 rows given as 3 + 2, which the greedy plan computed a wrong mean for)
+    batch_split = fxshard.shard(copy.deepcopy(model), mesh, {}, example_inputs=(torch.randn(4, 6, 8),),
+                                in_specs=(P("tp"),), dynamic_shapes=({0: 2 * Dim("half", min=2, max=16)},),
+                                planner="greedy")
+    for name, m, x in (("replicated", sm, torch.randn(2, 4 + 2 * rank, 8)),
+                       ("split", batch_split, torch.randn(5, 6, 8).split([3, 2])[rank])):
+        try:
+            m(x)
+        except ShardingError as e:
+            disagree[name] = str(e)
+    return {"loss_err": worst, "w_err": (w - model.lin.weight).abs().max().item(), "odd_error": err,
+            "disagree": disagree}
 
 
 def test_dynamic_sequence_split_trains_at_new_lengths_and_rejects_an_odd_one():
+    """Also: ranks whose pieces are each valid but disagree on a dynamic size raise on every rank."""
     for r in run_ranks(_seq_split, 2):
         assert r["loss_err"] <= TOL and r["w_err"] <= TOL, r
         assert "input 0 dim 1 has global size 7, but it was declared as 2*" in r["odd_error"], r
+        assert set(r["disagree"]) == {"replicated", "split"}, r
+        assert all("the ranks of the mesh disagree" in e for e in r["disagree"].values()), r
 
 
 def test_dynamic_dim_that_must_split_needs_a_multiple_declared(mesh2):
