@@ -279,7 +279,7 @@ class SliceReader:
         with safe_open(self._files[name], framework="pt") as f:
             sl = f.get_slice(name)
             self._check(name, tuple(sl.get_shape()), expect_shape)
-            return assemble(pieces, lambda src: sl[src] if src else sl[:])
+            return assemble(pieces, lambda src: sl[src] if src else f.get_tensor(name))  # a 0-dim slice fails
 
     @staticmethod
     def _check(name: str, shape: tuple, expect_shape: Sequence[int]) -> None:

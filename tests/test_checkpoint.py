@@ -77,3 +77,21 @@ def test_save_at_tp2_load_at_tp4_2x2_and_unsharded():
         sd = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
         dcp.load({"model": sd}, checkpoint_id=path)
         assert _max_diff(sd, saved["params"]) == 0.0
+
+
+def test_a_0_dim_tensor_loads_from_a_safetensors_file(mesh2, tmp_path):
+    """BatchNorm's ``num_batches_tracked`` is 0-dim: safetensors cannot slice it (``sl[:]`` raised IndexError)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {"0": fxshard.ColwiseParallel()},
+                       example_inputs=(torch.randn(5, 4),))
+    full = {k: torch.randn_like(v.float()).to(v.dtype) if v.dim() else torch.tensor(7) for k, v in
+            model.state_dict().items()}
+    save_file(full, str(tmp_path / "model.safetensors"))
+    sm.load_full_state_dict(str(tmp_path / "model.safetensors"))
+    got = {**dict(sm.named_parameters()), **dict(sm.named_buffers())}
+    assert int(got["1.num_batches_tracked"]) == 7
+    assert torch.equal(got["0.weight"].detach(), full["0.weight"].chunk(2)[0])  # rank 0's rows
+    assert torch.equal(got["1.running_var"], full["1.running_var"])
