@@ -18,6 +18,7 @@ from .comm_errors import run_program
 from .description import Sharding
 from .errors import ShardingError
 from .inputs import InputCheck
+from .optim_state import track_optimizers
 from .mesh import MeshInfo
 from .passes.trace import Traced
 from .checkpoint import (
@@ -324,6 +325,7 @@ class ShardedModule(nn.Module):
             self._unfilled = {n: (id(self._lookup(n)), self._lookup(n)._version) for n in unfilled}
         self.register_state_dict_post_hook(_state_dict_as_dtensors)
         self.register_load_state_dict_pre_hook(_state_dict_from_dtensors)
+        track_optimizers(self)
 
     # ---- the programs of the current modes ---------------------------------------------------
     @property
@@ -555,6 +557,15 @@ class ShardedModule(nn.Module):
         """``local`` (a shard of ``fqn``, or FSDP2's DTensor of it) as a DTensor of the global tensor."""
         return global_view(local, self._mesh, self._placements[fqn], self._global_shapes[fqn], fqn)
 
+    def _own_piece(self, fqn: str, own: torch.Tensor, value: Any, name: str) -> torch.Tensor:
+        """The part of ``value`` (a DTensor of ``fqn``'s global tensor in any layout, or the full tensor) this
+        rank holds, in the type of ``own`` (the registered tensor: a local shard, or FSDP2's DTensor of it)."""
+        piece = local_piece(value, self._dtensor(fqn, own.detach()), self._pieces(fqn, own), name)
+        if isinstance(own, DTensor):
+            piece = DTensor.from_local(piece, own.device_mesh, own.placements, shape=own.shape, stride=own.stride(),
+                                       run_check=False)
+        return piece
+
     def _pieces(self, fqn: str, local: torch.Tensor) -> list[Piece]:
         return held_pieces(local, tuple(int(s) for s in self._global_shapes[fqn]), self._placements[fqn], self._info)
 
@@ -716,11 +727,7 @@ def _state_dict_from_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, 
         key = prefix + fqn
         if key not in state_dict:
             continue
-        piece = local_piece(state_dict[key], sm._dtensor(fqn, own.detach()), sm._pieces(fqn, own), key)
-        if isinstance(own, DTensor):
-            piece = DTensor.from_local(piece, own.device_mesh, own.placements, shape=own.shape, stride=own.stride(),
-                                       run_check=False)
-        state_dict[key] = piece
+        state_dict[key] = sm._own_piece(fqn, own, state_dict[key], key)
         loaded.append(fqn)
     sm._mark_filled(loaded)
 

@@ -5,18 +5,107 @@ state tensor shaped like its parameter as a DTensor with the parameter's
 placements (scalars such as Adam's ``step`` stay plain tensors), so DCP can save
 it at one mesh and load it at another. ``load_optim_state_dict`` puts a loaded
 one back into the optimizer.
+
+torch's own API works too: from its first ``step()``, an optimizer holding a
+ShardedModule's parameters presents their state the same way in ``state_dict()``
+(so ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` gives
+DTensors, as for DTensor parameters) and ``load_state_dict()`` takes each such
+entry as a DTensor in any layout, the full tensor, or this rank's piece.
+Without this, DCP took those plain local pieces for replicated copies and kept
+one rank's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import ShardingError
 
-__all__ = ["optim_state_dict", "load_optim_state_dict"]
+__all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
+
+_MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live ShardedModules
+_STEP_HOOK: Optional[Any] = None
+_HOOKED = "_fxshard_state_hooks"  # set on an optimizer once its state_dict hooks are registered
+
+
+def track_optimizers(sm: Any) -> None:
+    """Make every optimizer that holds ``sm``'s parameters present their state as described in the module
+    doc. Ensures: a global optimizer step pre-hook (one per process) registers the state-dict hooks on such
+    an optimizer at its first step."""
+    global _STEP_HOOK
+    _MODULES.add(sm)
+    if _STEP_HOOK is None:
+        _STEP_HOOK = register_optimizer_step_pre_hook(_on_step)
+
+
+def _owners() -> dict[int, tuple[Any, str]]:
+    return {id(p): (sm, fqn) for sm in list(_MODULES) for fqn, p in sm.named_parameters()}
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    params = _params(optimizer)
+    if getattr(optimizer, _HOOKED, None) in (True, len(params)):  # hooked, or checked with these parameters
+        return
+    owners = _owners()
+    if any(id(p) in owners for p in params):
+        optimizer.register_state_dict_post_hook(_state_as_dtensors)
+        optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
+        setattr(optimizer, _HOOKED, True)
+    else:
+        setattr(optimizer, _HOOKED, len(params))
+
+
+def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:
+    """The optimizer's parameter for each key of ``sd["state"]``: the keys are listed in ``sd``'s param groups in
+    the order of the optimizer's (ints from ``state_dict()``, FQNs from torch's ``set_optimizer_state_dict``)."""
+    keys = [k for g in sd["param_groups"] for k in g["params"]]
+    return dict(zip(keys, _params(optimizer)))
+
+
+def _state_as_dtensors(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+    owners, by_key = _owners(), _by_key(optimizer, sd)
+    state = {}
+    for key, st in sd["state"].items():
+        p = by_key[key]
+        if id(p) not in owners:
+            state[key] = st
+            continue
+        sm, fqn = owners[id(p)]
+        state[key] = {k: sm._dtensor(fqn, v.detach()) if _like_param(v, p) else v for k, v in st.items()}
+    return {**sd, "state": state}
+
+
+def _state_from_dtensors(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+    owners, by_key = _owners(), _by_key(optimizer, sd)
+    state = {}
+    for key, st in sd["state"].items():
+        p = by_key.get(key)
+        state[key] = st if p is None or id(p) not in owners else _pieces_of(*owners[id(p)], p, st)
+    return {**sd, "state": state}
+
+
+def _like_param(v: Any, p: torch.Tensor) -> bool:
+    return isinstance(v, torch.Tensor) and v.shape == p.shape
+
+
+def _pieces_of(sm: Any, fqn: str, p: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
+    """``st`` (one parameter's optimizer state) with each tensor given as a DTensor of the global tensor or
+    as the full tensor replaced by this rank's piece; pieces already shaped like ``p`` are kept."""
+    out = {}
+    for k, v in st.items():
+        if isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and v.dim() and not _like_param(v, p)):
+            v = sm._own_piece(fqn, p, v, f"optimizer state {fqn}.{k}")
+        out[k] = v
+    return out
 
 
 def _fqn_of(sm: Any) -> dict[int, str]:
@@ -43,8 +132,7 @@ def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
 def load_optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
     """Load an ``optim_state_dict`` (possibly filled by ``dcp.load`` at another mesh) into ``optimizer``."""
     params = dict(sm.named_parameters())
-    by_name = {fqn: {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in st.items()}
-               for fqn, st in osd["state"].items()}
+    by_name = {fqn: _pieces_of(sm, fqn, params[fqn], st) for fqn, st in osd["state"].items()}
     with torch.no_grad():
         for fqn, st in by_name.items():
             p = params[fqn]
