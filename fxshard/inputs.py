@@ -135,9 +135,11 @@ class InputCheck:
             v = (glob - b) // a
             lo, hi = self._ranges.get(sym, (None, None))
             if (lo is not None and _finite(lo) and v < int(lo)) or (hi is not None and _finite(hi) and v > int(hi)):
+                floor = (" (torch.export treats sizes 0 and 1 as special, so a dynamic size starts at 2 "
+                         "even if its Dim says min=1)") if v < 2 and lo is not None and _finite(lo) and int(lo) == 2 else ""
                 raise ShardingError(
                     f"{what} has global size {glob} ({sym} = {v}), outside the declared "
-                    f"range {sym} in [{lo}, {hi}]; pass a size in range or widen the Dim's min/max"
+                    f"range {sym} in [{lo}, {hi}]{floor}; pass a size in range or widen the Dim's min/max"
                 )
             if bound.setdefault(sym, (v, r))[0] != v:
                 first = bound[sym][1]

@@ -101,6 +101,8 @@ def dyn_batch(mesh2):
     (((4, 9), (4, 9)), r"input 0 dim 1 has local size 9, but the module was sharded for global size 8; pass that "
                        r"size, or declare the dim dynamic"),
     (((9, 8), (9, 8)), r"input 0 dim 0 has global size 9 \(s\d+ = 9\), outside the declared range"),
+    (((1, 8), (1, 8)), r"global size 1 .* in \[2, 8\] \(torch.export treats sizes 0 and 1 as special, so a "
+                       r"dynamic size starts at 2 even if its Dim says min=1\)"),
 ])
 def test_inputs_violating_the_sharded_shapes_fail_at_call_time(dyn_batch, shapes, message):
     (b0, t0), (b1, t1) = shapes
