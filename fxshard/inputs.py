@@ -148,9 +148,8 @@ class InputCheck:
                     f"{sym} = {bound[sym][0]}; dims declared with the same Dim must agree"
                 )
         if bound and mesh is not None:
-            self._agree(bound, mesh)
+            torch.compiler.disable(self._agree)(bound, mesh)  # here, not at import: it imports TorchDynamo
 
-    @torch.compiler.disable
     def _agree(self, bound: dict, mesh: DeviceMesh) -> None:
         syms = sorted(bound, key=str)
         values = [bound[s][0] for s in syms]

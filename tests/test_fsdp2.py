@@ -91,8 +91,12 @@ def _fsdp2_run(mesh, per_layer: bool) -> dict:
         b = local(batches[1])
         loss = sm(*b).item()
         reload_errs = [abs(fresh(*b).item() - loss), abs(again(*b).item() - loss)]
+    for m, b in ((model, batches[0]), (sm, local(batches[0]))):  # the gradient norm over (dp, tp) pieces
+        m.zero_grad()
+        m(*b).backward()
+    norms = [sm.clip_grad_norm_(1e9).item(), torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()]
     return {"loss_err": worst, "param_err": param_err, "dp_sharded": dp_sharded, "full_errs": full_errs,
-            "reload_errs": reload_errs, "groups": groups}
+            "reload_errs": reload_errs, "groups": groups, "norms": norms}
 
 
 def test_fully_shard_over_dp_composes_with_fxshard_tp():
@@ -104,6 +108,7 @@ def test_fully_shard_over_dp_composes_with_fxshard_tp():
             assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
             assert max(res["full_errs"]) <= TOL, res  # inf if a key or shape differed
             assert max(res["reload_errs"]) <= TOL, res
+            assert abs(res["norms"][0] - res["norms"][1]) <= 1e-5 * res["norms"][1], (per_layer, res["norms"])
 
 
 def _loss_and_grads(m, batch, grad_of) -> tuple[float, dict]:

@@ -99,6 +99,48 @@ def test_transformer_with_loss_inside_trains_like_unsharded():
         assert res["loss_err"] <= 1e-4 and res["param_err"] <= TOL, res
 
 
+def _clipped(rank: int, world: int) -> dict:
+    """SGD with gradients clipped to a norm they exceed: ``sm.clip_grad_norm_`` against torch's on the unsharded
+    model, for a tied Megatron transformer (split and replicated parameters) and an uneven split (33 = 17 + 16)."""
+    mesh = fxshard.init_mesh(tp=world)
+    g = torch.Generator().manual_seed(7)
+    cases = {
+        "transformer": (models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=2, max_seq=16, tie=True),
+                        transformer_plan(2),
+                        [(models.make_tokens(2, 16, 64, seed=s), models.make_tokens(2, 16, 64, seed=s + 100))
+                         for s in range(2)], lambda m, b: m(*b), lambda b: b),
+        "uneven": (models.ToyModel(16, 33), {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                   [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(2)],
+                   lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), lambda b: b[:1]),
+    }
+    out = {}
+    for name, (model, plan, batches, loss_fn, example) in cases.items():
+        for norm_type in (2.0, float("inf")):
+            ref = copy.deepcopy(model)
+            sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=example(batches[0]))
+            opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(sm.parameters(), lr=0.5)
+            norms = []
+            for i in range(3):
+                pair = []
+                for m, o in ((ref, opt_ref), (sm, opt)):
+                    o.zero_grad()
+                    loss_fn(m, batches[i % 2]).backward()
+                    clip = torch.nn.utils.clip_grad_norm_ if m is ref else (lambda ps, *a, **k: sm.clip_grad_norm_(*a, **k))
+                    pair.append(clip(m.parameters(), 0.05, norm_type=norm_type).item())
+                    o.step()
+                norms.append(pair)
+            out[f"{name} p={norm_type}"] = {"norms": norms, "param_err": _max_param_diff(sm.full_state_dict(), ref)}
+    return out
+
+
+def test_clip_grad_norm_clips_by_the_norm_of_the_full_gradients():
+    for res in run_ranks(_clipped, 2):
+        for case, r in res.items():
+            assert all(ref > 0.05 for ref, _ in r["norms"]), (case, r)  # clipping is active every step
+            assert all(abs(a - b) <= 1e-5 * a for a, b in r["norms"]), (case, r)
+            assert r["param_err"] <= TOL, (case, r)
+
+
 def _dynamic_batch_train(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     model = models.TransformerWithLoss(vocab=64, dim=32, n_heads=4, n_layers=1, max_seq=16)
