@@ -30,7 +30,8 @@ __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
 
 _MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live ShardedModules
 _STEP_HOOK: Optional[Any] = None
-_HOOKED = "_fxshard_state_hooks"  # set on an optimizer once its state_dict hooks are registered
+_CHECKED = "_fxshard_state_hooks"  # on an optimizer: HOOKED, or the parameter count it was checked with
+_HOOKED = "hooked"
 
 
 def track_optimizers(sm: Any) -> None:
@@ -53,15 +54,16 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = _params(optimizer)
-    if getattr(optimizer, _HOOKED, None) in (True, len(params)):  # hooked, or checked with these parameters
+    checked = getattr(optimizer, _CHECKED, None)
+    if checked == _HOOKED or checked == len(params):
         return
     owners = _owners()
     if any(id(p) in owners for p in params):
         optimizer.register_state_dict_post_hook(_state_as_dtensors)
         optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
-        setattr(optimizer, _HOOKED, True)
+        setattr(optimizer, _CHECKED, _HOOKED)
     else:
-        setattr(optimizer, _HOOKED, len(params))
+        setattr(optimizer, _CHECKED, len(params))
 
 
 def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:

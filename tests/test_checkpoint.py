@@ -190,3 +190,20 @@ def test_torch_state_dict_api_and_optimizer_state_dict_round_trip_across_uneven_
         for what, err in r.items():
             assert max(err.values()) <= 1e-6, (what, err)
             assert len(err) == 1 + 2 * 7, (what, err)  # params + exp_avg, exp_avg_sq of 7 parameters
+
+
+def test_an_optimizer_given_the_modules_parameters_later_presents_their_state_as_dtensors(mesh2):
+    """An optimizer checked at its first step while it held one other parameter (a count that once compared
+    equal to the "hooked" mark) still gets the hooks when the module's parameters are added to it."""
+    sm = fxshard.shard(torch.nn.Sequential(torch.nn.Linear(4, 6)), mesh2, {"0": fxshard.ColwiseParallel()},
+                       example_inputs=(torch.randn(3, 4),))
+    other = torch.nn.Parameter(torch.randn(2))
+    opt = torch.optim.AdamW([other], lr=1e-2)
+    other.grad = torch.ones(2)
+    opt.step()
+    opt.add_param_group({"params": list(sm.parameters())})
+    sm(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    state = opt.state_dict()["state"]
+    assert not isinstance(state[0]["exp_avg"], DTensor)
+    assert isinstance(state[1]["exp_avg"], DTensor) and state[1]["exp_avg"].shape == (6, 4)
