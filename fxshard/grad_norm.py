@@ -25,7 +25,7 @@ def clip_grad_norm_(sm: Any, max_norm: float, norm_type: float = 2.0,
     """``torch.nn.utils.clip_grad_norm_`` for ``sm`` (a ShardedModule): see ``ShardedModule.clip_grad_norm_``."""
     p = float(norm_type)
     inf = math.isinf(p)
-    parts: dict[tuple, tuple[Any, list[torch.Tensor]]] = {}  # (mesh, split axes) -> local contributions
+    parts: dict[tuple, list[torch.Tensor]] = {}  # (mesh, split axes) -> local contributions
     grads = []
     for fqn, param in sm.named_parameters():
         if param.grad is None:
@@ -35,12 +35,13 @@ def clip_grad_norm_(sm: Any, max_norm: float, norm_type: float = 2.0,
         grads.append(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
         axes = tuple(i for i, pl in enumerate(view.placements) if not pl.is_replicate())  # Shard, _StridedShard
         norm = torch.linalg.vector_norm(local, p)
-        parts.setdefault((id(view.device_mesh), axes), (view.device_mesh, []))[1].append(norm if inf else norm ** p)
+        # by the mesh's value: under FSDP2 every view has a mesh object of its own, all equal
+        parts.setdefault((view.device_mesh, axes), []).append(norm if inf else norm ** p)
     if not grads:
         return torch.tensor(0.0)
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
     totals = []
-    for (_, axes), (mesh, terms) in sorted(parts.items(), key=lambda kv: kv[0][1]):
+    for (mesh, axes), terms in sorted(parts.items(), key=lambda kv: kv[0][1]):  # stable: same order on every rank
         t = torch.stack(terms).max() if inf else torch.stack(terms).sum()
         for axis in axes:
             dist.all_reduce(t, op=op, group=mesh.get_group(axis))

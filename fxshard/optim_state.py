@@ -74,25 +74,26 @@ def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tenso
 
 
 def _state_as_dtensors(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
-    owners, by_key = _owners(), _by_key(optimizer, sd)
-    state = {}
-    for key, st in sd["state"].items():
-        p = by_key[key]
-        if id(p) not in owners:
-            state[key] = st
-            continue
-        sm, fqn = owners[id(p)]
-        state[key] = {k: sm._dtensor(fqn, v.detach()) if _like_param(v, p) else v for k, v in st.items()}
-    return {**sd, "state": state}
+    return _convert_owned(optimizer, sd, _as_dtensors)
 
 
 def _state_from_dtensors(optimizer: torch.optim.Optimizer, sd: dict) -> dict:
+    return _convert_owned(optimizer, sd, _pieces_of)
+
+
+def _convert_owned(optimizer: torch.optim.Optimizer, sd: dict, convert) -> dict:
+    """``sd`` with ``convert(sm, fqn, param, state)`` applied to the state of each ShardedModule parameter."""
     owners, by_key = _owners(), _by_key(optimizer, sd)
     state = {}
     for key, st in sd["state"].items():
         p = by_key.get(key)
-        state[key] = st if p is None or id(p) not in owners else _pieces_of(*owners[id(p)], p, st)
+        state[key] = st if p is None or id(p) not in owners else convert(*owners[id(p)], p, st)
     return {**sd, "state": state}
+
+
+def _as_dtensors(sm: Any, fqn: str, p: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
+    """``st`` (one parameter's optimizer state) with each tensor shaped like ``p`` as a DTensor of ``p``'s layout."""
+    return {k: sm._dtensor(fqn, v.detach()) if _like_param(v, p) else v for k, v in st.items()}
 
 
 def _like_param(v: Any, p: torch.Tensor) -> bool:
@@ -122,9 +123,7 @@ def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any
         if id(p) not in names:
             raise ShardingError("optim_state_dict: the optimizer holds a parameter that is not the module's; "
                                 "build it from sm.parameters()")
-        fqn = names[id(p)]
-        state[fqn] = {k: sm._dtensor(fqn, v.detach()) if isinstance(v, torch.Tensor) and v.shape == p.shape else v
-                      for k, v in st.items()}
+        state[names[id(p)]] = _as_dtensors(sm, names[id(p)], p, st)
     groups = []
     for g in optimizer.param_groups:
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]})
