@@ -469,19 +469,41 @@ class ShardedModule(nn.Module):
         """Submodules ``fully_shard`` was applied to (FSDP2 per layer), in pre-order."""
         return [m for m in self.modules() if m is not self and _is_fsdp(m, "_fully_shard", "FSDPModule")]
 
+    def _reshard_fsdp(self) -> None:
+        """Under FSDP2: frees the parameters FSDP2 gathered (its root keeps them gathered after a forward
+        until a backward reshards them), so that ``self.parameters()`` are FSDP2's sharded parameters again:
+        the ones the optimizer updates and the backward accumulates gradients into. A forward never
+        backpropagated otherwise left them gathered, and then ``zero_grad()`` cleared the gathered copies'
+        gradients instead of the sharded ones (the next backward accumulated onto the old gradients) and a
+        forward after an optimizer step computed with the gathered copies' old values. A no-op without
+        FSDP2 or when nothing is gathered."""
+        for m in [self, *self._fsdp_scopes()]:
+            if _is_fsdp(m, "_fully_shard", "FSDPModule"):
+                m.reshard()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``; under FSDP2 it first frees FSDP2's gathered parameters (see
+        ``_reshard_fsdp``), so it clears the gradients of the parameters the next backward accumulates into."""
+        self._reshard_fsdp()
+        super().zero_grad(set_to_none)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Local outputs for local inputs; differentiable when grad mode is on (see class doc).
 
         Submodules under FSDP2 (``fully_shard(sm.layers[i])``) are never called themselves, so their FSDP2
         hooks run around the one program: every such submodule's pre-forward hook (all-gathers its
         parameters) before it, its post-forward hook (reshards them, and registers the all-gather
-        before the backward on the outputs) after it, with no inputs and the program's outputs."""
+        before the backward on the outputs) after it, with no inputs and the program's outputs. Under
+        FSDP2 each call first frees whatever an earlier forward left gathered (``_reshard_fsdp``), so a
+        forward computes with the sharded parameters' current values."""
         progs = self._for_mode()
         self._check_filled()
         fsdp = self._fsdp_scopes()
-        if (fsdp or _is_fsdp(self, "_fully_shard", "FSDPModule")) and "_fsdp_inference_hook" not in self.__dict__:
-            # after FSDP2's own post-forward hook (registered by fully_shard, before this one)
-            self.__dict__["_fsdp_inference_hook"] = self.register_forward_hook(_reshard_after_inference)
+        if (fsdp or _is_fsdp(self, "_fully_shard", "FSDPModule")) and "_fsdp_hooks" not in self.__dict__:
+            # the pre-hook before FSDP2's own pre-forward hook, the hook after its post-forward hook
+            self.__dict__["_fsdp_hooks"] = (
+                self.register_forward_pre_hook(_reshard_before_forward, prepend=True),
+                self.register_forward_hook(_reshard_after_inference))
         for m in fsdp:
             for hid, hook in list(m._forward_pre_hooks.items()):
                 hook(m, (), {}) if m._forward_pre_hooks_with_kwargs.get(hid) else hook(m, ())
@@ -675,6 +697,7 @@ class ShardedModule(nn.Module):
         max norm), the same on every rank, and scales every local gradient in place by
         ``min(1, max_norm / (norm + 1e-6))``; with ``error_if_nonfinite`` a non-finite norm raises RuntimeError
         first, as torch's does."""
+        self._reshard_fsdp()  # the gradients are the sharded parameters' (a forward may have gathered them)
         return _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
 
     def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
@@ -726,15 +749,18 @@ def _state_dict_as_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, lo
             state_dict[prefix + fqn] = sm._dtensor(fqn, state_dict[prefix + fqn])
 
 
+def _reshard_before_forward(sm: ShardedModule, args: Any) -> None:
+    """A forward pre-hook (under FSDP2, before FSDP2's own): ``sm._reshard_fsdp()``, so FSDP2's pre-forward
+    gathers the sharded parameters' current values instead of reusing copies an earlier forward left."""
+    sm._reshard_fsdp()
+
+
 def _reshard_after_inference(sm: ShardedModule, args: Any, outs: Any) -> None:
-    """A forward hook (under FSDP2) that frees FSDP2's gathered parameters after a forward without gradients.
-    Left gathered, the next training forward reused them without gathering again and its reduce-scattered
-    gradients came out wrong (a gradient norm of 11.72 against eager's 11.52)."""
-    if torch.is_grad_enabled():
-        return
-    for m in [sm, *sm._fsdp_scopes()]:
-        if _is_fsdp(m, "_fully_shard", "FSDPModule"):
-            m.reshard()
+    """A forward hook (under FSDP2) that frees FSDP2's gathered parameters after a forward without
+    gradients: no backward follows to free them, and they would hold a full copy of every parameter the
+    root group owns until the next forward."""
+    if not torch.is_grad_enabled():
+        sm._reshard_fsdp()
 
 
 def _is_fsdp(x: Any, module: str, cls: str) -> bool:
@@ -747,8 +773,7 @@ def _is_fsdp(x: Any, module: str, cls: str) -> bool:
 def _state_dict_from_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, *rest: Any) -> None:
     """``sm.load_state_dict()`` pre-hook: each entry given as a DTensor (any layout) or a full tensor becomes
     this rank's piece, in the type of the registered tensor (FSDP2's DTensor after ``fully_shard``)."""
-    if _is_fsdp(sm, "_fully_shard", "FSDPModule"):
-        sm.reshard()  # the registered parameters are FSDP2's sharded DTensors from here on
+    sm._reshard_fsdp()  # under FSDP2, the registered parameters are its sharded DTensors from here on
     loaded = []
     for fqn, own in sm._state_tensors().items():
         key = prefix + fqn

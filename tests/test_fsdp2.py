@@ -4,7 +4,10 @@
   each layer its own group plus the root, as torchtitan does): 4 real gloo ranks on a (dp=2, tp=2)
   mesh, the reference is the unsharded model trained on the global batch (the dp ranks' local batches
   concatenated); its full state dict (``sm.full_state_dict()`` and torch's ``get_model_state_dict``) is the
-  unsharded model's, and saving then loading it into a fresh composed module gives the same loss.
+  unsharded model's, and saving then loading it into a fresh composed module gives the same loss; a forward
+  without gradients frees FSDP2's gathered parameters, and one with gradients never backpropagated changes
+  neither the next step's loss nor its gradients (optimizer or module ``zero_grad``), nor does a second
+  forward before one backward.
 * state dicts between fxshard and a plain FSDP2 model, both ways, through
   ``torch.distributed.checkpoint.state_dict`` (2 gloo ranks, forward and gradients against the unsharded model).
 """
@@ -91,12 +94,50 @@ def _fsdp2_run(mesh, per_layer: bool) -> dict:
         b = local(batches[1])
         loss = sm(*b).item()
         reload_errs = [abs(fresh(*b).item() - loss), abs(again(*b).item() - loss)]
+    freed = all(isinstance(p, DTensor) for p in sm.parameters())  # no gathered copies left after inference
     for m, b in ((model, batches[0]), (sm, local(batches[0]))):  # the gradient norm over (dp, tp) pieces
         m.zero_grad()
         m(*b).backward()
-    norms = [sm.clip_grad_norm_(1e9).item(), torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()]
+    norms = _norms(model, sm)
     return {"loss_err": worst, "param_err": param_err, "dp_sharded": dp_sharded, "full_errs": full_errs,
-            "reload_errs": reload_errs, "groups": groups, "norms": norms}
+            "reload_errs": reload_errs, "groups": groups, "norms": norms, "freed": freed,
+            "after_dangling": _after_dangling_forward(model, sm, batches[0], local, dp_mean)}
+
+
+def _after_dangling_forward(model, sm, batch, local, dp_mean) -> list:
+    """A forward with gradients never backpropagated leaves FSDP2's root group gathered. Then an SGD step and
+    a training step, gradients cleared by the optimizer, then by ``zero_grad()`` of the module: per case the
+    |loss difference| (stale gathered values would show) and both gradient norms (gradients accumulated onto
+    the old ones would show); then two forwards summed and one backward. Requires gradients from a backward
+    on ``model`` and ``sm``."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, sm)]
+    out = []
+    for clear in ("optimizer", "module"):
+        sm(*local(batch))
+        for o in opts:
+            o.step()
+        losses = []
+        for m, o, b in ((model, opts[0], batch), (sm, opts[1], local(batch))):
+            o.zero_grad() if clear == "optimizer" else m.zero_grad()
+            loss = m(*b)
+            loss.backward()
+            losses.append(loss.item())
+        out.append({"case": clear, "loss_err": abs(losses[0] - dp_mean(losses[1])), "norms": _norms(model, sm)})
+    # two forwards, one backward: the second forward frees the gathered parameters the first one's graph
+    # saved, and the backward must gather them again
+    losses = []
+    for m, b in ((model, batch), (sm, local(batch))):
+        m.zero_grad()
+        loss = m(*b) + m(*b)
+        loss.backward()
+        losses.append(loss.item())
+    out.append({"case": "two forwards", "loss_err": abs(losses[0] - dp_mean(losses[1])), "norms": _norms(model, sm)})
+    return out
+
+
+def _norms(model, sm) -> list[float]:
+    """The gradient norms of ``sm`` (over all its pieces) and of the unsharded ``model``."""
+    return [sm.clip_grad_norm_(1e9).item(), torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()]
 
 
 def test_fully_shard_over_dp_composes_with_fxshard_tp():
@@ -109,6 +150,10 @@ def test_fully_shard_over_dp_composes_with_fxshard_tp():
             assert max(res["full_errs"]) <= TOL, res  # inf if a key or shape differed
             assert max(res["reload_errs"]) <= TOL, res
             assert abs(res["norms"][0] - res["norms"][1]) <= 1e-5 * res["norms"][1], (per_layer, res["norms"])
+            assert res["freed"], res
+            for case in res["after_dangling"]:
+                assert case["loss_err"] <= 1e-4, (per_layer, case)
+                assert abs(case["norms"][0] - case["norms"][1]) <= 1e-5 * case["norms"][1], (per_layer, case)
 
 
 def _loss_and_grads(m, batch, grad_of) -> tuple[float, dict]:
