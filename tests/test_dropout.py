@@ -7,7 +7,9 @@
   of the unsharded mask;
 * 2 gloo ranks: shards draw different masks, replicated/Partial dropouts agree across ranks,
   training matches the unsharded model under the same seed (forward, gradients, parameters),
-  reruns with the same seed are bit-identical and the ranks' generators stay in lock-step.
+  reruns with the same seed are bit-identical and the ranks' generators stay in lock-step; under
+  torch.compile (inductor's RNG) reruns are bit-identical and ranks agree, and with inductor's
+  ``fallback_random`` the compiled model matches the unsharded eager one.
 """
 
 from __future__ import annotations
@@ -215,6 +217,50 @@ def test_dropout_on_sharded_activations_trains_like_unsharded_and_deterministica
         assert torch.equal(a["rng_next"], b["rng_next"])  # generators still agree across ranks
     # the spec plan keeps net2's Partial sum through the output dropout (no extra collective)
     assert any(repr(s[0]) == "P(sum)" for s in r0["specs"]["placements"].values()), r0["specs"]["placements"]
+
+
+def _compiled_dropout_ranks(rank: int, world: int) -> dict:
+    """torch.compile of the sharded DropMLP: default inductor (its own RNG) run twice from the same state
+    and seeds, and with inductor's ``fallback_random`` (eager's RNG ops) against the unsharded eager model."""
+    import torch._inductor.config as inductor_config
+    from torch._dynamo.utils import counters
+
+    mesh = fxshard.init_mesh(tp=world)
+    x, y = _data()
+    model = DropMLP()
+    sm = fxshard.shard(copy.deepcopy(model), mesh, STYLE_PLAN, example_inputs=(x,), out_specs=OUT_SPECS)
+    ref_losses, ref_hs, ref_grads = _steps(model, x, y, 2)
+    torch._dynamo.reset()
+    counters.clear()
+    runs = [_steps(torch.compile(copy.deepcopy(sm)), x, y, 2) for _ in range(2)]
+    graphs = counters["stats"]["unique_graphs"]
+    with inductor_config.patch(fallback_random=True):
+        torch._dynamo.reset()
+        losses, hs, grads = _steps(torch.compile(copy.deepcopy(sm)), x, y, 2)
+    grads = {k.removeprefix("_orig_mod."): g for k, g in grads.items()}
+    gathered = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+    torch.distributed.all_gather(gathered, torch.tensor(runs[0][0], dtype=torch.float64))
+    cols = slice(rank * 16, (rank + 1) * 16)
+    return {
+        "graphs": graphs,
+        "rerun_same": runs[0][0] == runs[1][0] and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])),
+        "ranks_agree": torch.equal(gathered[0], gathered[1]),
+        "fallback_h_err": max((h - r[:, cols]).abs().max().item() for h, r in zip(hs, ref_hs)),
+        "fallback_loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "fallback_grad_err": max((g - _chunk(ref_grads[k], SPLIT_DIM[k], rank, world)).abs().max().item()
+                                 for k, g in grads.items()),
+    }
+
+
+def test_compiled_dropout_is_deterministic_agrees_across_ranks_and_is_eager_with_fallback_random():
+    """Under torch.compile the masks come from inductor's RNG: reruns with the same seeds are bit-identical
+    and the ranks' replicated dropouts agree (the replicated loss is equal on both ranks); with
+    ``torch._inductor.config.fallback_random = True`` the compiled sharded model matches the unsharded eager
+    model (masks, loss, gradients)."""
+    for r in run_ranks(_compiled_dropout_ranks, 2):
+        assert r["graphs"] >= 2, r  # both default-inductor runs compiled (a fallback to eager would not count)
+        assert r["rerun_same"] and r["ranks_agree"], r
+        assert r["fallback_h_err"] <= TOL and r["fallback_loss_err"] <= TOL and r["fallback_grad_err"] <= TOL, r
 
 
 def _torch_transformer_with_dropout(rank: int, world: int) -> dict:
