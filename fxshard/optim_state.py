@@ -25,13 +25,15 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import ShardingError
+from .optim_kinds import check_optimizer
+from .placements import R
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
 
 _MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live ShardedModules
 _STEP_HOOK: Optional[Any] = None
-_CHECKED = "_fxshard_state_hooks"  # on an optimizer: HOOKED, or the parameter count it was checked with
-_HOOKED = "hooked"
+_CHECKED = "_fxshard_checked"  # on an optimizer: the parameter count it was last checked with
+_HOOKED = "_fxshard_state_hooks"  # on an optimizer: True once its state-dict hooks are registered
 
 
 def track_optimizers(sm: Any) -> None:
@@ -54,16 +56,23 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = _params(optimizer)
-    checked = getattr(optimizer, _CHECKED, None)
-    if checked == _HOOKED or checked == len(params):
+    if getattr(optimizer, _CHECKED, None) == len(params):  # checked, and no parameter added since
         return
     owners = _owners()
-    if any(id(p) in owners for p in params):
+    owned = [owners[id(p)] for p in params if id(p) in owners]
+    check_optimizer(optimizer, {fqn: how for sm, fqn in owned if (how := _how_split(sm, fqn))})
+    if owned and not getattr(optimizer, _HOOKED, False):
         optimizer.register_state_dict_post_hook(_state_as_dtensors)
         optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
-        setattr(optimizer, _CHECKED, _HOOKED)
-    else:
-        setattr(optimizer, _CHECKED, len(params))
+        setattr(optimizer, _HOOKED, True)
+    setattr(optimizer, _CHECKED, len(params))
+
+
+def _how_split(sm: Any, fqn: str) -> str:
+    """How ``sm`` splits parameter ``fqn`` over its mesh, e.g. ``"S(0) over 'tp'"``; empty if it is whole
+    on every rank."""
+    names = sm._mesh.mesh_dim_names or tuple(str(i) for i in range(sm._mesh.ndim))
+    return ", ".join(f"{pl!r} over {axis!r}" for pl, axis in zip(sm._placements[fqn], names) if pl != R)
 
 
 def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:

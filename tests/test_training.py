@@ -82,6 +82,86 @@ def test_toy_model_trains_like_unsharded_adamw():
         assert res["loss_err"] <= TOL and res["param_err"] <= TOL
 
 
+class _SGDWithNorm(torch.optim.SGD):
+    """A user optimizer deriving from an elementwise torch one (its step could read anything)."""
+
+
+def _optimizer_kinds(rank: int, world: int) -> dict:
+    """ToyModel with net1 column- and net2 row-parallel: torch's whole-tensor optimizers on the split
+    parameters, Adafactor on a replicated one only, and a subclass of SGD."""
+    import warnings
+
+    mesh = fxshard.init_mesh(tp=world)
+    model = models.ToyModel(16, 32)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    sm = fxshard.shard(copy.deepcopy(model), mesh, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                       example_inputs=(x,))
+    loss_fn = lambda m: torch.nn.functional.mse_loss(m(x), y)
+    before = sm.full_state_dict()
+    errors = {}
+    for name, make in {"Adafactor": lambda m: torch.optim.Adafactor(m.parameters()),
+                       "LBFGS": lambda m: torch.optim.LBFGS(m.parameters()),
+                       "Muon": lambda m: torch.optim.Muon([p for p in m.parameters() if p.ndim == 2])}.items():
+        opt = make(sm)
+        opt.zero_grad()
+        closure = lambda: loss_fn(sm)  # LBFGS's step evaluates it; the pre-hook runs first
+        loss_fn(sm).backward()
+        try:
+            opt.step(closure) if name == "LBFGS" else opt.step()
+            errors[name] = None
+        except fxshard.ShardingError as e:
+            errors[name] = str(e)
+    untouched = max((v - before[k]).abs().max().item() for k, v in sm.full_state_dict().items())
+    # Adafactor holding only net2.bias (replicated) and SGD the rest: exact, no warning
+    make = lambda m: [torch.optim.Adafactor([m.net2.bias], lr=0.05),
+                      torch.optim.SGD([p for n, p in m.named_parameters() if n != "net2.bias"], lr=0.1)]
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        for m, opts in ((model, make(model)), (sm, make(sm))):
+            for _ in range(2):
+                for o in opts:
+                    o.zero_grad()
+                loss_fn(m).backward()
+                for o in opts:
+                    o.step()
+        replicated_only_err = _max_param_diff(sm.full_state_dict(), model)
+        opts[0].add_param_group({"params": [sm.net1.weight]})  # sm's Adafactor, checked with net2.bias alone
+        try:
+            opts[0].step()
+            added = None
+        except fxshard.ShardingError as e:
+            added = str(e)
+        subclass_warnings = []
+        for _ in range(2):  # two optimizers of one class: one warning
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                opt = _SGDWithNorm(sm.parameters(), lr=0.0)
+                opt.zero_grad()
+                loss_fn(sm).backward()
+                opt.step()
+            subclass_warnings.append([str(x.message) for x in w if "fxshard" in str(x.message)])
+    return {"errors": errors, "untouched": untouched,
+            "replicated_only_err": replicated_only_err, "added": added,
+            "quiet": [str(x.message) for x in quiet if "fxshard:" in str(x.message) and "_SGDWithNorm" not in
+                      str(x.message)], "subclass_warnings": subclass_warnings}
+
+
+def test_optimizers_reading_whole_parameters_raise_on_split_parameters():
+    """Adafactor, LBFGS and Muon read statistics over whole parameters, so on a rank's pieces they would
+    train another model: their first step raises (before updating anything), naming a split parameter.
+    Adafactor holding only a replicated parameter is exact, and raises once a split one is added to it; a
+    subclass of SGD warns once per class."""
+    for res in run_ranks(_optimizer_kinds, 2):
+        for name, err in res["errors"].items():
+            assert err is not None and name in err and "net1.weight (S(0) over 'tp')" in err, (name, err)
+        assert res["untouched"] == 0.0, res
+        assert res["replicated_only_err"] <= TOL and res["quiet"] == [], res
+        assert res["added"] is not None and "net1.weight (S(0) over 'tp')" in res["added"], res
+        first, second = res["subclass_warnings"]
+        assert len(first) == 1 and "derives from torch's SGD" in first[0] and second == [], res
+
+
 def _transformer_train(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     n_layers = 2
