@@ -23,7 +23,7 @@ from .cost import linked_mesh_info
 from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
-from .inputs import InputCheck
+from .inputs import InputCheck, check_no_autocast
 from .mesh import MeshInfo
 from .checkpoint import take
 from .errors import ShardingError
@@ -124,6 +124,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     call in a new combination of modes traces and shards again for it (on every rank: all ranks
     must switch together), and the programs are cached per combination.
     """
+    check_no_autocast("shard()", mesh.device_type)
     say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = linked_mesh_info(mesh, bandwidth, latency)

@@ -5,7 +5,8 @@ plan relied on, so an input of another size must be stopped before it runs:
 otherwise it fails deep inside with an unreadable shape error, or, worse, runs.
 Static dims must match exactly (this rank's ``torch.chunk`` piece when split), and
 so must dtypes (the program's ops were traced for them) and the device type (meta
-tensors hold no data).
+tensors hold no data). For the same reason no program is traced or run under
+``torch.autocast`` (``check_no_autocast``).
 A dynamic dim (``dynamic_shapes``) may take any size that satisfies its
 declaration, e.g. ``2*Dim('seq')`` needs an even global size, within its
 ``min``/``max``, and equal wherever the same symbol appears.
@@ -27,7 +28,7 @@ from .placements import Pl
 from .spec import local_shape, shard_factor
 from .symbolic import Dim, is_concrete, sym_shape
 
-__all__ = ["InputCheck"]
+__all__ = ["InputCheck", "check_no_autocast"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,22 @@ class InputCheck:
                     f"must pass its piece of the same global tensor (x.chunk(n, dim)[i], equal pieces) and the "
                     f"same sizes in dims that are not split"
                 )
+
+
+def check_no_autocast(where: str, device_type: str) -> None:
+    """Requires: ``device_type`` is the mesh's (``"cpu"``, ``"cuda"``, ...). Ensures: returns if
+    ``torch.autocast`` is off for it, else raises ShardingError. fxshard traces its programs without autocast
+    and runs them as traced; under autocast, its per-op rules would meet the traced ATen ops (some decomposed)
+    instead of the ops eager runs, a program traced under it would keep its casts outside it, and the
+    backward would mix dtypes."""
+    if not torch.is_autocast_enabled(device_type):
+        return
+    raise ShardingError(
+        f"{where}: torch.autocast is enabled for {device_type!r} (dtype {torch.get_autocast_dtype(device_type)}), "
+        f"but fxshard traces and runs its programs without autocast: under it, its per-op casting rules would "
+        f"meet the traced ATen ops (some decomposed) instead of eager's ops, and the backward would mix dtypes. Run "
+        f"this outside the autocast context (or inside torch.autocast({device_type!r}, enabled=False)); to train "
+        f"in lower precision, convert the model and inputs before shard() (e.g. model.to(torch.bfloat16))")
 
 
 def _finite(x: Any) -> bool:

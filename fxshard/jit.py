@@ -49,6 +49,7 @@ from .cost import linked_mesh_info
 from .context import ShardContext, runtime_device
 from .description import Sharding
 from .errors import ShardingError
+from .inputs import check_no_autocast
 from .mesh import MeshInfo
 from .module import Program
 from .frontend import check_consistent, context_for, graph_outputs, required_outputs
@@ -318,6 +319,7 @@ class ShardedFunction:
     # ---- running -----------------------------------------------------------------------------
     def lower(self, *global_args: Any) -> "ShardedFunction":
         """Trace and shard ahead of time for arguments with GLOBAL shapes (real or meta tensors); returns self."""
+        check_no_autocast(f"{self.__name__}.lower()", self._mesh.device_type)
         leaves, _, tree = self._leaves(tuple(global_args), global_shapes=True)
         key = self._key(tree, leaves)
         if key not in self._cache:
@@ -332,6 +334,7 @@ class ShardedFunction:
                 f"{self.__name__} was called with keyword arguments {sorted(kwargs)}; a jitted function takes "
                 f"positional arguments only (in_specs describes them by position): pass them positionally"
             )
+        check_no_autocast(f"{self.__name__} was called", self._mesh.device_type)
         leaves, flat, tree = self._leaves(tuple(args), global_shapes=False)
         for x, leaf in zip(flat, leaves):
             if leaf.is_tensor and x.device.type == "meta":

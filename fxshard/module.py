@@ -18,7 +18,7 @@ from .comm_errors import run_program
 from .description import Sharding
 from .errors import ShardingError
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
-from .inputs import InputCheck
+from .inputs import InputCheck, check_no_autocast
 from .optim_state import track_optimizers
 from .mesh import MeshInfo
 from .passes.trace import Traced
@@ -496,6 +496,7 @@ class ShardedModule(nn.Module):
         before the backward on the outputs) after it, with no inputs and the program's outputs. Under
         FSDP2 each call first frees whatever an earlier forward left gathered (``_reshard_fsdp``), so a
         forward computes with the sharded parameters' current values."""
+        check_no_autocast(f"{self._where} was called", self._mesh.device_type)
         progs = self._for_mode()
         self._check_filled()
         fsdp = self._fsdp_scopes()

@@ -11,7 +11,8 @@
   collectives as under ``shard()`` (fake process group) with the right numbers (2 gloo ranks);
 * timeouts: a rank that skips a forward or a backward makes its peer raise a ShardingError naming
   the program and the collective (2 gloo ranks, short timeout);
-* call-time and spec errors name what was given and how to fix it (fake process group).
+* call-time and spec errors name what was given and how to fix it (fake process group), and
+  ``torch.autocast`` around ``shard()``, a call or a jitted call raises (fake process group).
 """
 
 from __future__ import annotations
@@ -188,6 +189,27 @@ def test_jit_rejects_global_shaped_arguments(mesh2):
         sf(x.chunk(2)[0].to("meta"), w)
     sf.lower(torch.randn(16, 16), w)  # a genuinely new local size [8, 16], traced on purpose: then it runs
     assert sf(x, w).shape == (8, 8) and len(sf._cache) == 2
+
+
+def test_autocast_raises_at_shard_call_and_jit(mesh2):
+    """Programs are traced and run without autocast: under it a call would cast where eager does not (and
+    its backward mixed dtypes), and a shard() under it would bake casts into programs run outside it."""
+    model = _Kw().requires_grad_(False)
+    x, mask, bias = x8(), (x8(1) > 0).float(), x8(2)
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,), example_kwargs={"mask": mask, "bias": bias})
+    sf = fxshard.jit(lambda a, w: a @ w, mesh2, in_specs=(P("tp", None), None), out_specs=P("tp", None))
+    fix = r"Run this outside the autocast context \(or inside torch.autocast\('cpu', enabled=False\)\)"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ShardingError, match=r"ShardedModule\(_Kw\) was called: torch.autocast is enabled for "
+                                                r"'cpu' \(dtype torch.bfloat16\).*" + fix):
+            sm(x, mask=mask, bias=bias)
+        with pytest.raises(ShardingError, match=r"shard\(\): torch.autocast is enabled for 'cpu'.*model.to\(torch"):
+            fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,),
+                          example_kwargs={"mask": mask, "bias": bias})
+        with pytest.raises(ShardingError, match=r"was called: torch.autocast is enabled for 'cpu'"):
+            sf(x.chunk(2)[0], torch.randn(16, 8))
+        with torch.autocast("cpu", enabled=False):  # the way out the message gives: eager's float32 result
+            torch.testing.assert_close(sm(x, mask=mask, bias=bias), model(x, mask=mask, bias=bias))
 
 
 # ----------------------------------------------------------------------------- 2 gloo ranks: numerics
