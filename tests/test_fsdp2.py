@@ -1,4 +1,4 @@
-"""Composing with torch's FSDP2 and its state-dict tooling.
+"""Composing with torch's FSDP2 (and DDP) and its state-dict tooling.
 
 * ``fully_shard`` over the dp axis of a module fxshard sharded on tp (the whole module as one group, and
   each layer its own group plus the root, as torchtitan does): 4 real gloo ranks on a (dp=2, tp=2)
@@ -8,6 +8,7 @@
   without gradients frees FSDP2's gathered parameters, and one with gradients never backpropagated changes
   neither the next step's loss nor its gradients (optimizer or module ``zero_grad``), nor does a second
   forward before one backward.
+* torch's DDP over the dp axis of a module fxshard sharded on tp trains like the unsharded model (same spawn);
 * state dicts between fxshard and a plain FSDP2 model, both ways, through
   ``torch.distributed.checkpoint.state_dict`` (2 gloo ranks, forward and gradients against the unsharded model).
 """
@@ -20,6 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 import fxshard
 from fxshard.module import local_slice
@@ -46,17 +48,52 @@ def _state_err(got: dict, want: dict) -> float:
 
 def _fsdp2_over_dp(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(dp=2, tp=2)
-    return {per_layer: _fsdp2_run(mesh, per_layer) for per_layer in (False, True)}
+    return {"ddp": _ddp_run(mesh), **{per_layer: _fsdp2_run(mesh, per_layer) for per_layer in (False, True)}}
+
+
+class _DpSetup:
+    """The unsharded model, two global batches, this dp rank's half of a batch, and the mean over dp of a loss
+    (equal local batches: the global mean is the mean of the local means)."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh, dp_rank = mesh, mesh.get_coordinate()[0]
+        self.model = _transformer(0)
+        self.batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 10))
+                        for s in range(2)]
+        self.local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
+
+    def dp_mean(self, loss: float) -> float:
+        t = torch.tensor(loss)
+        torch.distributed.all_reduce(t, group=self.mesh["dp"].get_group())
+        return t.item() / 2
+
+    def shard(self, m):
+        return fxshard.shard(copy.deepcopy(m), self.mesh["tp"], transformer_plan(2),
+                             example_inputs=self.local(self.batches[0]))
+
+    def train(self, sm) -> float:
+        """3 SGD steps of ``sm`` and the unsharded model (AdamW would turn the key bias's exactly-zero
+        gradient into sign noise): max |loss difference|."""
+        return train_on_local_batches(self.model, sm, self.batches, self.local, steps=3, global_loss=self.dp_mean)
+
+
+def _ddp_run(mesh) -> dict:
+    """torch DDP over dp around a module fxshard sharded on tp: 3 SGD steps against the unsharded model."""
+    d = _DpSetup(mesh)
+    sm = d.shard(d.model)
+    worst = d.train(DistributedDataParallel(sm, process_group=mesh["dp"].get_group()))
+    ref = dict(d.model.named_parameters())
+    param_err = max((p.detach() - local_slice(ref[n].detach(), mesh["tp"], sm._placements[n])).abs().max().item()
+                    for n, p in sm.named_parameters())
+    return {"loss_err": worst, "param_err": param_err}
 
 
 def _fsdp2_run(mesh, per_layer: bool) -> dict:
-    dp_rank = mesh.get_coordinate()[0]
-    model = _transformer(0)
-    batches = [(models.make_tokens(4, 16, 64, seed=s), models.make_tokens(4, 16, 64, seed=s + 10)) for s in range(2)]
-    local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
+    d = _DpSetup(mesh)
+    model, batches, local, dp_mean = d.model, d.batches, d.local, d.dp_mean
 
     def composed(m):
-        sm = fxshard.shard(copy.deepcopy(m), mesh["tp"], transformer_plan(2), example_inputs=local(batches[0]))
+        sm = d.shard(m)
         if per_layer:  # torchtitan's recipe: each block its own FSDP2 group, then the root
             for layer in sm.layers:
                 fully_shard(layer, mesh=mesh["dp"])
@@ -66,14 +103,7 @@ def _fsdp2_run(mesh, per_layer: bool) -> dict:
     sm = composed(model)
     dp_sharded = all(isinstance(p, DTensor) for p in sm.parameters())
     groups = sum(isinstance(m, FSDPModule) for m in sm.modules())
-
-    def dp_mean(loss: float) -> float:  # equal local batches: the global mean is the mean of local means
-        t = torch.tensor(loss)
-        torch.distributed.all_reduce(t, group=mesh["dp"].get_group())
-        return t.item() / 2
-
-    # SGD: AdamW would turn the key bias's exactly-zero gradient into sign noise
-    worst = train_on_local_batches(model, sm, batches, local, steps=3, global_loss=dp_mean)
+    worst = d.train(sm)
     ref = dict(model.named_parameters())
     param_err = 0.0
     for name, p in sm.named_parameters():
@@ -141,8 +171,11 @@ def _norms(model, sm) -> list[float]:
 
 
 def test_fully_shard_over_dp_composes_with_fxshard_tp():
-    """Whole-module ``fully_shard(sm)`` and per-layer ``fully_shard(sm.layers[i])`` + root, one spawn."""
+    """Whole-module ``fully_shard(sm)``, per-layer ``fully_shard(sm.layers[i])`` + root, and torch DDP over dp
+    (as Megatron + DDP), one spawn."""
     for both in run_ranks(_fsdp2_over_dp, 4, timeout=600):
+        ddp = both.pop("ddp")
+        assert ddp["loss_err"] <= 1e-4 and ddp["param_err"] <= TOL, ddp
         for per_layer, res in both.items():
             assert res["groups"] == (3 if per_layer else 1), res
             assert res["dp_sharded"], res
