@@ -131,6 +131,21 @@ class Scope(nn.Module):
     def _get_name(self) -> str:
         return self._kind
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Parameters, buffers, submodules, ``training`` and ``_``-names as on any module; any other attribute
+        raises a ShardingError: the programs hold the values the original submodule had when it was traced
+        (a dropout's ``p``, a norm's ``eps``), so setting one here would silently change nothing."""
+        registered = name in self.__dict__.get("_parameters", {}) or name in self.__dict__.get("_buffers", {}) \
+            or name in self.__dict__.get("_modules", {})
+        if name.startswith("_") or name == "training" or isinstance(value, (torch.Tensor, nn.Module)) \
+                or (value is None and registered):
+            return super().__setattr__(name, value)
+        raise ShardingError(
+            f"setting {name!r} on the {self._kind} {self._fqn!r} inside a ShardedModule would change nothing: the "
+            f"programs were traced from the original {self._kind} and hold its attribute values. Set {name!r} on "
+            f"the original model and shard it again (for train/eval modes use sm.train()/sm.eval(), which are "
+            f"followed); to keep your own bookkeeping on the stand-in, use a name starting with '_'")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ShardingError(f"the {self._kind} {self._fqn!r} inside a ShardedModule cannot run on its own: fxshard "
                             f"shards the whole model as one program; call the ShardedModule (or shard this submodule "
