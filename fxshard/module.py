@@ -132,19 +132,9 @@ class Scope(nn.Module):
         return self._kind
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Parameters, buffers, submodules, ``training`` and ``_``-names as on any module; any other attribute
-        raises a ShardingError: the programs hold the values the original submodule had when it was traced
-        (a dropout's ``p``, a norm's ``eps``), so setting one here would silently change nothing."""
-        registered = name in self.__dict__.get("_parameters", {}) or name in self.__dict__.get("_buffers", {}) \
-            or name in self.__dict__.get("_modules", {})
-        if name.startswith("_") or name == "training" or isinstance(value, (torch.Tensor, nn.Module)) \
-                or (value is None and registered):
-            return super().__setattr__(name, value)
-        raise ShardingError(
-            f"setting {name!r} on the {self._kind} {self._fqn!r} inside a ShardedModule would change nothing: the "
-            f"programs were traced from the original {self._kind} and hold its attribute values. Set {name!r} on "
-            f"the original model and shard it again (for train/eval modes use sm.train()/sm.eval(), which are "
-            f"followed); to keep your own bookkeeping on the stand-in, use a name starting with '_'")
+        _refuse_traced(self, name, f"the {self.__dict__.get('_kind')} {self.__dict__.get('_fqn')!r} inside a "
+                                   f"ShardedModule")
+        super().__setattr__(name, value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ShardingError(f"the {self._kind} {self._fqn!r} inside a ShardedModule cannot run on its own: fxshard "
@@ -228,11 +218,25 @@ class ScopeDict(Scope):
         return list(self._modules.items())
 
 
-def _scope(kind: type, fqn: str) -> Scope:
-    """The stand-in of a submodule of type ``kind`` (subclasses of the containers included)."""
+def _scope(kind: type, fqn: str, traced: frozenset[str]) -> Scope:
+    """The stand-in of a submodule of type ``kind`` (subclasses of the containers included) whose plain
+    attributes ``traced`` were constants to the trace."""
     cls = (ScopeList if issubclass(kind, (nn.ModuleList, nn.Sequential)) else
            ScopeDict if issubclass(kind, nn.ModuleDict) else Scope)
-    return cls(kind.__name__, fqn)
+    scope = cls(kind.__name__, fqn)
+    scope._traced_attrs = traced
+    return scope
+
+
+def _refuse_traced(m: nn.Module, name: str, what: str) -> None:
+    """Raises ShardingError if ``name`` is one of the plain attributes (a dropout's ``p``, a norm's ``eps``)
+    the module ``m`` stands in for had when it was traced: the programs hold their values, so setting one on
+    the stand-in would silently change nothing."""
+    if name in m.__dict__.get("_traced_attrs", ()):
+        raise ShardingError(
+            f"setting {name!r} on {what} would change nothing: the programs were traced from the original module "
+            f"and hold the value its {name!r} had then. Set {name!r} on the original model and shard it again "
+            f"(train/eval modes are the exception: sm.train()/sm.eval() are followed)")
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:
@@ -294,7 +298,7 @@ class ShardedModule(nn.Module):
 
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
-                 modules: Sequence[tuple[str, type, bool, str]] = (), name: str = "model",
+                 modules: Sequence[tuple[str, type, bool, str, frozenset[str]]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None, auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
         super().__init__()
@@ -308,18 +312,19 @@ class ShardedModule(nn.Module):
         self._auto = auto
         self._src_data_rank = src_data_rank
         scopes: dict[str, nn.Module] = {"": self}
-        for fqn, kind, training, first in modules:  # pre-order, so parents come first
+        for fqn, kind, training, first, traced in modules:  # pre-order, so parents come first
             if fqn == "":
                 self.training = training
+                self._traced_attrs = traced
                 continue
             *path, leaf = fqn.split(".")
             if first == fqn:
-                scopes[fqn] = _scope(kind, fqn)
+                scopes[fqn] = _scope(kind, fqn, traced)
                 scopes[fqn].training = training
             else:  # the same submodule under a second name: one stand-in, one mode
                 scopes[fqn] = scopes[first]
             scopes[".".join(path)].add_module(leaf, scopes[fqn])
-        self._mode_names = [fqn for fqn, _, _, first in modules if fqn == first] or [""]
+        self._mode_names = [fqn for fqn, _, _, first, _ in modules if fqn == first] or [""]
         self._mode_scopes = [scopes[n] for n in self._mode_names]
         self._param_names = [slot.names[0] for slot in programs.traced.slots if slot.kind == "param"]
         self._trained = [slot.requires_grad for slot in programs.traced.slots if slot.kind == "param"]
@@ -342,6 +347,10 @@ class ShardedModule(nn.Module):
         self.register_state_dict_post_hook(_state_dict_as_dtensors)
         self.register_load_state_dict_pre_hook(_state_dict_from_dtensors)
         track_optimizers(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _refuse_traced(self, name, self.__dict__.get("_where", "a ShardedModule"))
+        super().__setattr__(name, value)
 
     # ---- the programs of the current modes ---------------------------------------------------
     @property

@@ -13,7 +13,7 @@
   the program and the collective (2 gloo ranks, short timeout);
 * call-time and spec errors name what was given and how to fix it (fake process group), and
   ``torch.autocast`` around ``shard()``, a call or a jitted call raises, and so does setting a traced
-  attribute (a dropout's ``p``) on a submodule's stand-in (fake process group).
+  attribute (a dropout's ``p``) on the module or a submodule's stand-in (fake process group).
 """
 
 from __future__ import annotations
@@ -192,21 +192,32 @@ def test_jit_rejects_global_shaped_arguments(mesh2):
     assert sf(x, w).shape == (8, 8) and len(sf._cache) == 2
 
 
-def test_setting_a_traced_attribute_on_a_stand_in_raises(mesh2):
-    """A stand-in's dropout ``p`` or norm ``eps`` was traced into the programs: setting it raises (it would
-    change nothing); modes, parameters and ``_``-names are still set as on any module."""
-    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.LayerNorm(32))
-    sm = fxshard.shard(copy.deepcopy(model), mesh2, {"0": ColwiseParallel()}, example_inputs=(x8(),))
-    with pytest.raises(ShardingError, match=r"setting 'p' on the Dropout '1' inside a ShardedModule would change "
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.drop, self.norm, self.scale = nn.Linear(16, 32), nn.Dropout(0.5), nn.LayerNorm(32), 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.drop(self.lin(x))) * self.scale
+
+
+def test_setting_a_traced_attribute_raises(mesh2):
+    """A dropout's ``p``, a norm's ``eps`` and the model's own ``scale`` were constants to the trace: setting
+    one on the ShardedModule or a stand-in raises (it would change nothing); modes, parameters and new
+    names are set as on any module."""
+    sm = fxshard.shard(_Scaled(), mesh2, {"lin": ColwiseParallel()}, example_inputs=(x8(),))
+    with pytest.raises(ShardingError, match=r"setting 'p' on the Dropout 'drop' inside a ShardedModule would change "
                                             r"nothing.*Set 'p' on the original model and shard it again"):
-        getattr(sm, "1").p = 0.0  # nn.Sequential's children are named "0", "1", "2"
-    with pytest.raises(ShardingError, match=r"setting 'eps' on the LayerNorm '2'"):
-        getattr(sm, "2").eps = 1e-3
-    drop, norm = getattr(sm, "1"), getattr(sm, "2")
-    drop.eval()
-    drop._note = "kept"
-    norm.weight = nn.Parameter(torch.full((32,), 2.0))  # a tensor: registered as on any module
-    assert not drop.training and drop._note == "kept" and torch.equal(norm.weight, torch.full((32,), 2.0))
+        sm.drop.p = 0.0
+    with pytest.raises(ShardingError, match=r"setting 'eps' on the LayerNorm 'norm'"):
+        sm.norm.eps = 1e-3
+    with pytest.raises(ShardingError, match=r"setting 'scale' on ShardedModule\(_Scaled\) would change nothing"):
+        sm.scale = 1.0
+    sm.drop.eval()
+    sm.drop.note, sm.tag = "kept", "mine"  # names the model did not have
+    sm.norm.weight = nn.Parameter(torch.full((32,), 2.0))  # a tensor: registered as on any module
+    assert not sm.drop.training and (sm.drop.note, sm.tag) == ("kept", "mine")
+    assert torch.equal(sm.norm.weight, torch.full((32,), 2.0))
 
 
 def test_autocast_raises_at_shard_call_and_jit(mesh2):
