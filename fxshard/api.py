@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
 from .memory import memory as memory_report, output_values, remembering_values
 from .sizes import fmt_bytes
-from .consistency import fingerprint
+from .consistency import check_generators_agree, fingerprint
 from .cost import linked_mesh_info
 from .constrain import constraint_scope
 from .context import ShardContext
@@ -243,8 +243,12 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
         if freeze:
             gc.unfreeze()
     progs = out[0]
-    for prog in (progs.forward,) + ((progs.training.fwd, progs.training.bwd) if progs.training else ()):
+    programs = (progs.forward,) + ((progs.training.fwd, progs.training.bwd) if progs.training else ())
+    for prog in programs:
         _LazyGraphModule.force_recompile(prog.gm)
+    if any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+           for prog in programs for n in prog.gm.graph.nodes):
+        check_generators_agree(info, f"{type(model).__name__}'s sharded program")
     return out
 
 

@@ -7,6 +7,7 @@ shard and all of them raise the same readable error on any difference.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
@@ -20,7 +21,7 @@ from .errors import ShardingError
 if TYPE_CHECKING:
     from .mesh import MeshInfo
 
-__all__ = ["fingerprint", "check_same_on_all_ranks", "agree", "on_lead"]
+__all__ = ["fingerprint", "check_same_on_all_ranks", "check_generators_agree", "agree", "on_lead"]
 
 
 def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inputs: tuple) -> dict[str, str]:
@@ -40,8 +41,13 @@ def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inp
     return fp
 
 
-def check_same_on_all_ranks(fp: dict[str, str], mesh: Optional["MeshInfo"] = None) -> None:
-    """Raise ShardingError on every rank if any rank's fingerprint differs (a collective).
+_SAME_CALL = ("every rank must call shard() (or the jitted function) with the same plan, mesh, model, modes and "
+              "input shapes")
+
+
+def check_same_on_all_ranks(fp: dict[str, str], mesh: Optional["MeshInfo"] = None, advice: str = _SAME_CALL) -> None:
+    """Raise ShardingError on every rank if any rank's fingerprint differs (a collective); its message names
+    the first difference, then ``advice``.
 
     With ``mesh`` the ranks compared are the mesh's (one exchange per mesh axis, then one more per
     axis so that every mesh rank learns of any difference): ranks outside it (other pipeline stages,
@@ -57,7 +63,7 @@ def check_same_on_all_ranks(fp: dict[str, str], mesh: Optional["MeshInfo"] = Non
         guard_collective(lambda: dist.all_gather_object(everyone, fp, group=group),
                          "comparing what every rank shards (the first collective of shard() or of a new jit signature)")
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
-        found += _differences(ranks, everyone)[:1]
+        found += _differences(ranks, everyone, advice)[:1]
     if mesh is not None:  # spread what any rank found, axis by axis, so every mesh rank raises
         for group in groups:
             heard: list[Any] = [None] * dist.get_world_size(group)
@@ -68,7 +74,7 @@ def check_same_on_all_ranks(fp: dict[str, str], mesh: Optional["MeshInfo"] = Non
         raise ShardingError(found[0])
 
 
-def _differences(ranks: list[int], everyone: list[dict[str, str]]) -> list[str]:
+def _differences(ranks: list[int], everyone: list[dict[str, str]], advice: str) -> list[str]:
     """Messages naming each entry that differs between the first rank and another."""
     ref = everyone[0]
     out = []
@@ -77,10 +83,25 @@ def _differences(ranks: list[int], everyone: list[dict[str, str]]) -> list[str]:
             if ref.get(name) != other.get(name):
                 out.append(
                     f"{name} differs between rank {ranks[0]} ({ref.get(name, 'absent')}) and rank {rank} "
-                    f"({other.get(name, 'absent')}); every rank must call shard() (or the jitted function) with the "
-                    f"same plan, mesh, model, modes and input shapes"
+                    f"({other.get(name, 'absent')}); {advice}"
                 )
     return out
+
+
+def check_generators_agree(mesh: "MeshInfo", where: str) -> None:
+    """For programs that draw random numbers (dropout): raise ShardingError on every rank of ``mesh`` unless
+    every rank's default generator (and the device's, on an accelerator) is in the same state (a collective).
+    Each rank draws the global random tensor and keeps its piece, so generators out of step would give
+    replicated values different masks on different ranks."""
+    states = [torch.random.get_rng_state()]
+    if mesh.device_type != "cpu" and hasattr(torch, mesh.device_type):
+        states.append(getattr(torch, mesh.device_type).get_rng_state())
+    digest = hashlib.sha1(b"".join(s.numpy().tobytes() for s in states)).hexdigest()[:12]
+    check_same_on_all_ranks(
+        {"the random generator's state": f"torch.initial_seed() {torch.initial_seed()}, state {digest}"}, mesh,
+        f"{where} draws random numbers (dropout) on every rank from its default generator and needs them in the "
+        f"same state: seed every rank the same (torch.manual_seed(seed), not seed + rank) before it, and draw "
+        f"per-rank randomness (data order, augmentation) from a torch.Generator of its own")
 
 
 def agree(value: Any, mesh: "MeshInfo") -> Any:

@@ -9,7 +9,8 @@
   training matches the unsharded model under the same seed (forward, gradients, parameters),
   reruns with the same seed are bit-identical and the ranks' generators stay in lock-step; under
   torch.compile (inductor's RNG) reruns are bit-identical and ranks agree, and with inductor's
-  ``fallback_random`` the compiled model matches the unsharded eager one.
+  ``fallback_random`` the compiled model matches the unsharded eager one; generators seeded per rank raise
+  where a program draws random numbers.
 """
 
 from __future__ import annotations
@@ -261,6 +262,41 @@ def test_compiled_dropout_is_deterministic_agrees_across_ranks_and_is_eager_with
         assert r["graphs"] >= 2, r  # both default-inductor runs compiled (a fallback to eager would not count)
         assert r["rerun_same"] and r["ranks_agree"], r
         assert r["fallback_h_err"] <= TOL and r["fallback_loss_err"] <= TOL and r["fallback_grad_err"] <= TOL, r
+
+
+def _differently_seeded(rank: int, world: int) -> dict:
+    """Generators seeded per rank (the data-parallel habit ``torch.manual_seed(seed + rank)``): sharding a model
+    whose program draws random numbers raises, in train mode at shard() and from eval at the first call in
+    train mode; a program that draws nothing does not care; seeding every rank the same fixes it."""
+    mesh = fxshard.init_mesh(tp=world)
+    x, _ = _data()
+    model = DropMLP()
+    shard = lambda m: fxshard.shard(copy.deepcopy(m), mesh, STYLE_PLAN, example_inputs=(x,), out_specs=OUT_SPECS)
+    torch.manual_seed(100 + rank)
+    out: dict = {}
+    try:
+        shard(model)
+    except fxshard.ShardingError as e:
+        out["shard"] = str(e)
+    sm = shard(model.eval())  # eval: dropout draws nothing
+    out["eval_ran"] = sm(x)[0].shape == (8, 16)
+    sm.train()
+    try:
+        sm(x)
+    except fxshard.ShardingError as e:
+        out["train_call"] = str(e)
+    torch.manual_seed(7)
+    out["reseeded_ran"] = sm(x)[0].shape == (8, 16)
+    return out
+
+
+def test_generators_seeded_per_rank_raise_where_the_program_draws_random_numbers():
+    for r in run_ranks(_differently_seeded, 2):
+        for key in ("shard", "train_call"):
+            assert key in r and "the random generator's state differs between rank 0 (torch.initial_seed() 100" in r[key] \
+                and "and rank 1 (torch.initial_seed() 101" in r[key] and "DropMLP's sharded program draws random" in r[key] \
+                and "torch.manual_seed(seed), not seed + rank" in r[key], r
+        assert r["eval_ran"] and r["reseeded_ran"], r
 
 
 def _torch_transformer_with_dropout(rank: int, world: int) -> dict:
