@@ -246,9 +246,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     programs = (progs.forward,) + ((progs.training.fwd, progs.training.bwd) if progs.training else ())
     for prog in programs:
         _LazyGraphModule.force_recompile(prog.gm)
-    if any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-           for prog in programs for n in prog.gm.graph.nodes):
-        check_generators_agree(info, f"{type(model).__name__}'s sharded program")
+    check_generators_agree(info, f"{type(model).__name__}'s sharded program", [prog.gm for prog in programs])
     return out
 
 

@@ -8,7 +8,7 @@ shard and all of them raise the same readable error on any difference.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -88,11 +88,15 @@ def _differences(ranks: list[int], everyone: list[dict[str, str]], advice: str) 
     return out
 
 
-def check_generators_agree(mesh: "MeshInfo", where: str) -> None:
-    """For programs that draw random numbers (dropout): raise ShardingError on every rank of ``mesh`` unless
-    every rank's default generator (and the device's, on an accelerator) is in the same state (a collective).
-    Each rank draws the global random tensor and keeps its piece, so generators out of step would give
-    replicated values different masks on different ranks."""
+def check_generators_agree(mesh: "MeshInfo", where: str, graphs: Sequence[Any]) -> None:
+    """If any of the sharded ``graphs`` (fx GraphModules, the same on every rank) draws random numbers
+    (dropout): raise ShardingError on every rank of ``mesh`` unless every rank's default generator (and the
+    device's, on an accelerator) is in the same state (a collective then; nothing otherwise). Each rank draws
+    the global random tensor and keeps its piece, so generators out of step would give replicated values
+    different masks on different ranks."""
+    if not any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
+               for gm in graphs for n in gm.graph.nodes):
+        return
     states = [torch.random.get_rng_state()]
     if mesh.device_type != "cpu" and hasattr(torch, mesh.device_type):
         states.append(getattr(torch, mesh.device_type).get_rng_state())

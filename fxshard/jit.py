@@ -44,6 +44,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from .comm_errors import run_program
+from .consistency import check_generators_agree
 from .constrain import constraint_scope
 from .cost import linked_mesh_info
 from .context import ShardContext, runtime_device
@@ -255,6 +256,7 @@ class ShardedFunction:
         # fxshard.constrain calls in fn mean what they mean in shard()
         ctx = context_for(gm, info, seeds, out_required, recorded, planner=self._planner)
         gm = self._pipeline(gm, ctx)
+        check_generators_agree(info, f"{self.__name__}'s sharded program", [gm])
         return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree, tree, leaves)
 
     def _trace(self, leaves: list[_Leaf], tree: Any, device: torch.device) -> tuple[fx.GraphModule, Any]:

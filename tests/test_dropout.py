@@ -267,7 +267,8 @@ def test_compiled_dropout_is_deterministic_agrees_across_ranks_and_is_eager_with
 def _differently_seeded(rank: int, world: int) -> dict:
     """Generators seeded per rank (the data-parallel habit ``torch.manual_seed(seed + rank)``): sharding a model
     whose program draws random numbers raises, in train mode at shard() and from eval at the first call in
-    train mode; a program that draws nothing does not care; seeding every rank the same fixes it."""
+    train mode; a program that draws nothing does not care; seeding every rank the same fixes it; a jitted
+    function's first call raises too."""
     mesh = fxshard.init_mesh(tp=world)
     x, _ = _data()
     model = DropMLP()
@@ -287,14 +288,24 @@ def _differently_seeded(rank: int, world: int) -> dict:
         out["train_call"] = str(e)
     torch.manual_seed(7)
     out["reseeded_ran"] = sm(x)[0].shape == (8, 16)
+
+    def halved(a: torch.Tensor) -> torch.Tensor:
+        return F.dropout(a, 0.5)
+
+    sf = fxshard.jit(halved, mesh, in_specs=(P("tp", None),), out_specs=P("tp", None))
+    torch.manual_seed(100 + rank)
+    try:
+        sf(x.chunk(world)[rank])
+    except fxshard.ShardingError as e:
+        out["jit_call"] = str(e)
     return out
 
 
 def test_generators_seeded_per_rank_raise_where_the_program_draws_random_numbers():
     for r in run_ranks(_differently_seeded, 2):
-        for key in ("shard", "train_call"):
+        for key, name in (("shard", "DropMLP"), ("train_call", "DropMLP"), ("jit_call", "halved")):
             assert key in r and "the random generator's state differs between rank 0 (torch.initial_seed() 100" in r[key] \
-                and "and rank 1 (torch.initial_seed() 101" in r[key] and "DropMLP's sharded program draws random" in r[key] \
+                and "and rank 1 (torch.initial_seed() 101" in r[key] and f"{name}'s sharded program draws random" in r[key] \
                 and "torch.manual_seed(seed), not seed + rank" in r[key], r
         assert r["eval_ran"] and r["reseeded_ran"], r
 
