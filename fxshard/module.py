@@ -328,6 +328,8 @@ class ShardedModule(nn.Module):
         self._mode_scopes = [scopes[n] for n in self._mode_names]
         self._param_names = [slot.names[0] for slot in programs.traced.slots if slot.kind == "param"]
         self._trained = [slot.requires_grad for slot in programs.traced.slots if slot.kind == "param"]
+        self._dtypes = {slot.names[0]: tensors[slot.names[0]].dtype for slot in programs.traced.slots
+                        if slot.kind in ("param", "buffer")}  # what the programs were traced for
         for slot in programs.traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue
@@ -476,12 +478,22 @@ class ShardedModule(nn.Module):
         feed: list[Any] = []
         for slot in traced.slots:
             if slot.kind in ("param", "buffer"):
-                feed.append(self._lookup(slot.names[0]))
+                t = self._lookup(slot.names[0])
+                if t.dtype != self._dtypes[slot.names[0]]:
+                    raise self._dtype_error(slot.names[0], t.dtype)
+                feed.append(t)
             elif slot.kind == "constant":
                 feed.append(traced.constants[slot.names[0]])
             else:
                 feed.append(leaves[slot.index])
         return feed
+
+    def _dtype_error(self, fqn: str, dtype: torch.dtype) -> ShardingError:
+        want = self._dtypes[fqn]
+        return ShardingError(
+            f"{self._where}: {fqn} has dtype {dtype}, but the module was sharded with it in {want} and the "
+            f"programs were traced for that (e.g. after sm.to({dtype}) or sm.half()); convert the model before "
+            f"shard() (model.to({dtype})), or convert this module back (sm.to({want}))")
 
     def _lookup(self, fqn: str) -> torch.Tensor:
         m: Any = self

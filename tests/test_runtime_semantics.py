@@ -72,6 +72,21 @@ def test_call_errors_name_the_argument_and_the_fix(mesh2):
         sm((x8(), x8()))
 
 
+def test_a_module_converted_to_another_dtype_after_shard_raises(mesh2):
+    """The programs were traced for the parameters' dtypes: sm.to(bfloat16) would fail deep inside (or promote
+    silently in elementwise ops); the call names the parameter and the fix, and converting back works."""
+    model = models.ToyModel(16, 32).requires_grad_(False)
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x8(),))
+    sm.to(torch.bfloat16)
+    with pytest.raises(ShardingError, match=r"ShardedModule\(ToyModel\): net1.weight has dtype torch.bfloat16, but "
+                                            r"the module was sharded with it in torch.float32.*convert the model before "
+                                            r"shard\(\) \(model.to\(torch.bfloat16\)\), or convert this module back"):
+        sm(x8())
+    sm.to(torch.float32)  # the values keep bfloat16's rounding, as the unsharded model's do
+    model.to(torch.bfloat16).to(torch.float32)
+    torch.testing.assert_close(sm(x8()), model(x8()))  # replicated plan: the fake group's collectives are exact
+
+
 def test_keyword_order_does_not_matter(mesh2):
     model = _Kw().requires_grad_(False)
     x, mask, bias = x8(), (x8(1) > 0).float(), x8(2)
