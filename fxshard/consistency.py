@@ -17,6 +17,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm_errors import guard_collective
 from .errors import ShardingError
+from .ir import is_random
 
 if TYPE_CHECKING:
     from .mesh import MeshInfo
@@ -94,8 +95,7 @@ def check_generators_agree(mesh: "MeshInfo", where: str, graphs: Sequence[Any]) 
     device's, on an accelerator) is in the same state (a collective then; nothing otherwise). Each rank draws
     the global random tensor and keeps its piece, so generators out of step would give replicated values
     different masks on different ranks."""
-    if not any(isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-               for gm in graphs for n in gm.graph.nodes):
+    if not any(is_random(n) for gm in graphs for n in gm.graph.nodes):
         return
     states = [torch.random.get_rng_state()]
     if mesh.device_type != "cpu" and hasattr(torch, mesh.device_type):

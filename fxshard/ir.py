@@ -35,7 +35,7 @@ aten = torch.ops.aten
 __all__ = [
     "META_KEY", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "WHY_KEY", "COMM_KEY", "INSERTED_KEY", "STOP_KEY",
     "NodeSharding", "sharding", "set_sharding", "spec_of", "source_line",
-    "OpClass", "OP_CLASSES", "is_op", "VIEW_OPS", "SHAPE_ARGS", "SIZE_ARGS",
+    "OpClass", "OP_CLASSES", "is_op", "is_random", "VIEW_OPS", "SHAPE_ARGS", "SIZE_ARGS",
 ]
 
 IN_KEY = "fxshard_in"
@@ -178,3 +178,8 @@ def is_op(target: Any, cls: OpClass) -> bool:
         return cls in OP_CLASSES.get(target, OpClass.NONE)
     except TypeError:  # an unhashable target
         return False
+
+
+def is_random(node: fx.Node) -> bool:
+    """Whether ``node`` calls an ATen op that draws from a random generator (tagged ``nondeterministic_seeded``)."""
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags

@@ -132,8 +132,7 @@ class Scope(nn.Module):
         return self._kind
 
     def __setattr__(self, name: str, value: Any) -> None:
-        _refuse_traced(self, name, f"the {self.__dict__.get('_kind')} {self.__dict__.get('_fqn')!r} inside a "
-                                   f"ShardedModule")
+        _refuse_traced(self, name)
         super().__setattr__(name, value)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -228,11 +227,12 @@ def _scope(kind: type, fqn: str, traced: frozenset[str]) -> Scope:
     return scope
 
 
-def _refuse_traced(m: nn.Module, name: str, what: str) -> None:
+def _refuse_traced(m: nn.Module, name: str) -> None:
     """Raises ShardingError if ``name`` is one of the plain attributes (a dropout's ``p``, a norm's ``eps``)
-    the module ``m`` stands in for had when it was traced: the programs hold their values, so setting one on
-    the stand-in would silently change nothing."""
+    the module ``m`` (a ShardedModule or a Scope) stands in for had when it was traced: the programs hold their
+    values, so setting one on the stand-in would silently change nothing."""
     if name in m.__dict__.get("_traced_attrs", ()):
+        what = m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
         raise ShardingError(
             f"setting {name!r} on {what} would change nothing: the programs were traced from the original module "
             f"and hold the value its {name!r} had then. Set {name!r} on the original model and shard it again "
@@ -351,7 +351,7 @@ class ShardedModule(nn.Module):
         track_optimizers(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        _refuse_traced(self, name, self.__dict__.get("_where", "a ShardedModule"))
+        _refuse_traced(self, name)
         super().__setattr__(name, value)
 
     # ---- the programs of the current modes ---------------------------------------------------

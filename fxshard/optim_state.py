@@ -71,8 +71,7 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 def _how_split(sm: Any, fqn: str) -> str:
     """How ``sm`` splits parameter ``fqn`` over its mesh, e.g. ``"S(0) over 'tp'"``; empty if it is whole
     on every rank."""
-    names = sm._mesh.mesh_dim_names or tuple(str(i) for i in range(sm._mesh.ndim))
-    return ", ".join(f"{pl!r} over {axis!r}" for pl, axis in zip(sm._placements[fqn], names) if pl != R)
+    return ", ".join(f"{pl!r} over {axis!r}" for pl, axis in zip(sm._placements[fqn], sm._info.names) if pl != R)
 
 
 def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:

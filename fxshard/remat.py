@@ -44,7 +44,7 @@ import torch.fx as fx
 from .collectives import hint
 from .errors import ShardingError
 from .sizes import fmt_bytes, parse_bytes
-from .ir import INSERTED_KEY, META_KEY, VIEW_OPS
+from .ir import INSERTED_KEY, META_KEY, VIEW_OPS, is_random
 from .spec import Spec
 
 __all__ = ["POLICIES", "Policy", "check_policy", "recomputed", "layer_sets", "fit_budget", "value_bytes"]
@@ -79,10 +79,6 @@ def check_policy(remat: Any, budget: Union[None, int, float, str] = None) -> Pol
     return Policy(remat, parse_bytes(budget, "remat_budget"))
 
 
-def _random(n: fx.Node) -> bool:
-    return isinstance(n.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags
-
-
 def _tensor_valued(n: fx.Node) -> bool:
     v = n.meta.get("val")
     if isinstance(v, (tuple, list)):
@@ -96,7 +92,7 @@ def _communicates(n: fx.Node) -> bool:
 
 def _recomputable(n: fx.Node) -> bool:
     """An op the backward may run again: deterministic, local (no collective), tensor results."""
-    return n.op == "call_function" and not _random(n) and not _communicates(n) and _tensor_valued(n)
+    return n.op == "call_function" and not is_random(n) and not _communicates(n) and _tensor_valued(n)
 
 
 def _block(n: fx.Node) -> Optional[str]:
