@@ -1,0 +1,95 @@
+"""Gradients the model's own code defines, while ``torch.export`` traces its forward.
+
+fxshard exports the forward and derives the backward from the traced ops (``passes/joint.py``). Code
+that gives a value a gradient other than the derivative of its forward would be lost on the way,
+silently: ``torch.export`` (non-strict) runs an ``autograd.Function``'s ``forward`` as plain ops and
+drops its ``backward``, and a gradient hook registered on a tensor inside ``forward`` never runs.
+While :func:`custom_gradients_checked` is active:
+
+* ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` (``checkpoint(..., use_reentrant=True)``,
+  HF's ``gradient_checkpointing_enable()``) runs its function inline: checkpointing changes what is
+  kept for the backward, not any value or gradient (its recompute restores the RNG state), and
+  ``shard(..., remat=...)`` is fxshard's way to recompute. As in eager, its outputs need no gradient
+  when none of its tensor inputs requires one.
+* any other ``autograd.Function`` applied to a tensor that requires grad, and ``Tensor.register_hook``
+  on one, raise a ShardingError naming it and the way out (a ``torch.library.custom_op`` with
+  ``register_autograd`` keeps its backward through export and the joint trace). Applied where no
+  gradient is needed (frozen weights, ``torch.no_grad()``), a Function's forward is all that runs in eager
+  too, and tracing it is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.utils.checkpoint
+from torch.utils import _pytree as pytree
+from torch.nn.modules._functions import BackwardHookFunction
+
+from .errors import ShardingError
+
+__all__ = ["custom_gradients_checked"]
+
+_FIX = ("fxshard derives the backward from the traced forward ops. Give the op its own gradient as a "
+        "torch.library.custom_op with register_autograd (torch's way to keep a custom backward through "
+        "torch.export; fxshard runs such an op replicated), or, if the backward is just the derivative of "
+        "the forward, call the forward's code directly")
+
+# the autograd.Function a custom op's register_autograd generates: the op stays one node in the export
+_CUSTOM_OP_AUTOGRAD = "torch._library."
+
+
+def _needs_grad(values: Any) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(values))
+
+
+def _function_error(cls: type) -> ShardingError:
+    if issubclass(cls, BackwardHookFunction):
+        return ShardingError(
+            "the model has a backward hook on a module (register_full_backward_hook or "
+            "register_full_backward_pre_hook on the model or one of its submodules), and fxshard traces the "
+            "forward into one program and derives the backward itself, so the hook would never run. Remove it "
+            "before shard() and register it on the ShardedModule (its local inputs and outputs), or shard "
+            "that submodule on its own")
+    return ShardingError(
+        f"the forward applies the torch.autograd.Function {cls.__module__}.{cls.__qualname__} to a tensor that "
+        f"requires grad; torch.export traces only its forward, so its backward would be silently replaced by "
+        f"the derivative of the forward ops. {_FIX}")
+
+
+@contextlib.contextmanager
+def custom_gradients_checked() -> Iterator[None]:
+    """While active (around ``torch.export.export`` of a model's forward), ``autograd.Function.apply`` and
+    ``Tensor.register_hook`` behave as the module doc says. Restores both on exit."""
+    function_apply = torch.autograd.Function.__dict__["apply"]
+    register_hook = torch.Tensor.register_hook
+    apply = function_apply.__func__
+
+    def checked_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is torch.utils.checkpoint.CheckpointFunction:
+            run, _preserve_rng, *inputs = args
+            with torch.set_grad_enabled(_needs_grad(inputs)):
+                return run(*inputs)
+        if _needs_grad((args, kwargs)) and not cls.__module__.startswith(_CUSTOM_OP_AUTOGRAD):
+            raise _function_error(cls)
+        return apply(cls, *args, **kwargs)
+
+    def checked_register_hook(self: torch.Tensor, hook: Any) -> Any:
+        if self.requires_grad:
+            name = getattr(hook, "__qualname__", type(hook).__name__)
+            raise ShardingError(
+                f"the forward registers a gradient hook ({name}) on a tensor of shape {list(self.shape)} with "
+                f"Tensor.register_hook; the hook would never run, so the gradient would silently differ from "
+                f"eager. {_FIX} (for example an identity op whose backward is the hook)")
+        return register_hook(self, hook)
+
+    torch.autograd.Function.apply = classmethod(checked_apply)  # type: ignore[method-assign,assignment]
+    torch.Tensor.register_hook = checked_register_hook  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = function_apply  # type: ignore[method-assign]
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
