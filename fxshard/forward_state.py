@@ -1,0 +1,96 @@
+"""Python state a model's forward changes: eager changes it on every call, the sharded program never.
+
+fxshard runs the model's Python ``forward`` once, while tracing; every call of the ShardedModule runs
+the traced program. A forward that changes a plain attribute of the model or of a submodule (a call
+counter, a flag, a list it appends to) would do so on every eager call, and any value computed from
+that state would differ from the second call on, silently. :func:`forward_state_unchanged` compares the
+plain attributes before and after the trace and raises a ShardingError naming the first that changed.
+
+Compared: Python scalars (numbers, strings, ``None``) by value; lists, tuples, dicts and sets by
+their length and their scalar elements; other objects by identity. Tensors are not compared (buffers
+are the model's state fxshard carries; a tensor attribute is traced as a constant). Attributes every
+``nn.Module`` has (hooks, ``training``, parameters, buffers, submodules) are left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from .errors import ShardingError
+
+__all__ = ["forward_state_unchanged"]
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, _SCALARS):
+        return ("value", value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor",)
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        items = list(value.items()) if isinstance(value, dict) else list(value)
+        return (type(value), len(items), tuple(
+            (i, repr(v)) for i, v in enumerate(items) if isinstance(v, _SCALARS) or
+            (isinstance(v, tuple) and all(isinstance(e, _SCALARS) for e in v))))
+    return ("object", id(value))
+
+
+def _snapshot(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    return {(fqn, k): _fingerprint(v) for fqn, m in model.named_modules(remove_duplicate=True)
+            for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+
+
+def _show(fingerprint: Any) -> str:
+    if fingerprint is None:
+        return "absent"
+    if fingerprint[0] == "value":
+        return repr(fingerprint[1])
+    if fingerprint[0] == "object":
+        return "another object"
+    if fingerprint[0] == "tensor":
+        return "a tensor"
+    return f"a {fingerprint[0].__name__} of {fingerprint[1]} items"
+
+
+def _check(before: dict, after: dict) -> None:
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if old != new:
+            fqn, name = key
+            where = f"{fqn}.{name}" if fqn else name
+            raise ShardingError(
+                f"the forward changes the model's Python attribute {where!r} (from {_show(old)} to {_show(new)} "
+                f"while fxshard traced it); fxshard runs the forward's Python code once, so the sharded program "
+                f"would never change it again and anything computed from it would differ from eager from the "
+                f"second call on. Keep state that changes per call in a buffer (register_buffer, updated in "
+                f"place) or outside the model and pass it as an input; if it is a cache the forward fills once "
+                f"(the same value on every call), fill it before shard() (call the model once, or set it in "
+                f"__init__)")
+
+
+@contextlib.contextmanager
+def forward_state_unchanged(model: torch.nn.Module) -> Iterator[None]:
+    """Requires: ``model``'s forward is called (through ``model(...)``) inside the block. Ensures: each
+    call leaves every plain attribute of ``model`` and its submodules comparing equal (module doc), else
+    it raises a ShardingError naming the attribute, its values and the fix. Compared from the model's
+    own forward hooks, as ``torch.export`` restores the attributes after its trace."""
+    before: dict = {}
+
+    def pre(mod: torch.nn.Module, args: Any) -> None:
+        before.clear()
+        before.update(_snapshot(mod))
+
+    def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        _check(before, _snapshot(mod))
+
+    handles = (model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
