@@ -10,11 +10,18 @@ Compared: Python scalars (numbers, strings, ``None``) by value; lists, tuples, d
 their length and their scalar elements; other objects by identity. Tensors are not compared (buffers
 are the model's state fxshard carries; a tensor attribute is traced as a constant). Attributes every
 ``nn.Module`` has (hooks, ``training``, parameters, buffers, submodules) are left out.
+
+Host random numbers too: a forward that draws from Python's ``random`` or ``numpy.random`` (a
+LayerDrop written ``if random.random() < p``) draws once, while traced, and the program keeps that one
+outcome for every call (measured: every call took the traced branch while eager's varied); the check
+compares those generators' states around the traced call and raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -57,6 +64,33 @@ def _show(fingerprint: Any) -> str:
     return f"a {fingerprint[0].__name__} of {fingerprint[1]} items"
 
 
+def _host_rngs() -> dict[str, Any]:
+    states = {"Python's random module": random.getstate()}
+    np = sys.modules.get("numpy")
+    if np is not None:
+        states["numpy.random"] = np.random.get_state(legacy=False)
+    return states
+
+
+def _same(a: Any, b: Any) -> bool:
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if np is not None and isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return a == b
+
+
+def _check_rngs(before: dict[str, Any], after: dict[str, Any]) -> None:
+    for name, state in before.items():
+        if not _same(state, after[name]):
+            raise ShardingError(
+                f"the forward draws from {name} while fxshard traces it; fxshard runs the forward's Python "
+                f"code once, so the program would keep that one draw (a branch taken, a value) for every call "
+                f"where eager draws anew. Draw inside tensor ops with torch's generator (torch.rand, "
+                f"torch.bernoulli, dropout: fxshard traces those draws) or pass the outcome as an input")
+
+
 def _check(before: dict, after: dict) -> None:
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)
@@ -76,16 +110,19 @@ def _check(before: dict, after: dict) -> None:
 @contextlib.contextmanager
 def forward_state_unchanged(model: torch.nn.Module) -> Iterator[None]:
     """Requires: ``model``'s forward is called (through ``model(...)``) inside the block. Ensures: each
-    call leaves every plain attribute of ``model`` and its submodules comparing equal (module doc), else
-    it raises a ShardingError naming the attribute, its values and the fix. Compared from the model's
+    call leaves every plain attribute of ``model`` and its submodules comparing equal and the host
+    generators where they were (module doc), else it raises a ShardingError naming the attribute, its values and the fix. Compared from the model's
     own forward hooks, as ``torch.export`` restores the attributes after its trace."""
     before: dict = {}
+    rngs: dict = {}
 
     def pre(mod: torch.nn.Module, args: Any) -> None:
         before.clear()
         before.update(_snapshot(mod))
+        rngs.update(_host_rngs())
 
     def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
+        _check_rngs(rngs, _host_rngs())
         _check(before, _snapshot(mod))
 
     handles = (model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post))

@@ -2,13 +2,17 @@
 
 Measured before the check: a model whose forward counts its calls in a plain attribute and scales its
 output by the count's parity matched eager on the first call and differed by 0.88 on the second
-(``torch.export`` restores the attribute after tracing, so nothing showed). Fake process group.
+(``torch.export`` restores the attribute after tracing, so nothing showed); a LayerDrop drawing with
+Python's ``random`` kept the traced draw for every call. Fake process group.
 """
 
 from __future__ import annotations
 
 import copy
+import random
+import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -77,3 +81,29 @@ def test_a_cache_filled_before_shard_is_accepted(mesh2):
     ref = copy.deepcopy(model)
     sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
     assert torch.equal(sm(x), ref(x))
+
+
+class _LayerDrop(nn.Module):
+    """Skips each layer with probability 1/2 in training, drawing with Python's or numpy's generator."""
+
+    def __init__(self, draw) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.draw = draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if not (self.training and self.draw() < 0.5):
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("name, draw", [("Python's random module", random.random),
+                                        ("numpy.random", lambda: float(np.random.rand()))])
+def test_a_host_random_draw_in_forward_is_refused(mesh2, name, draw):
+    x = torch.randn(2, 4)
+    with pytest.raises(ShardingError, match=rf"the forward draws from {re.escape(name)} while fxshard traces it"):
+        fxshard.shard(_LayerDrop(draw), mesh2, {}, example_inputs=(x,))
+    model = _LayerDrop(draw).eval()  # no draw: traced as eager runs it
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,))
+    assert torch.equal(sm(x), model(x))
