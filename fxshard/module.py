@@ -25,7 +25,7 @@ from .passes.trace import Traced
 from .checkpoint import (
     Piece, assemble, global_view, held_pieces, local_piece, open_checkpoint, storage, take,
 )
-from .placements import Pl
+from .placements import Pl, R
 from .replicas import check_replicas, communicates, from_source, holds_sentinel
 from .tiled_init import draw_seed, fill as fill_tiles
 
@@ -328,8 +328,9 @@ class ShardedModule(nn.Module):
         self._mode_scopes = [scopes[n] for n in self._mode_names]
         self._param_names = [slot.names[0] for slot in programs.traced.slots if slot.kind == "param"]
         self._trained = [slot.requires_grad for slot in programs.traced.slots if slot.kind == "param"]
-        self._dtypes = {slot.names[0]: tensors[slot.names[0]].dtype for slot in programs.traced.slots
-                        if slot.kind in ("param", "buffer")}  # what the programs were traced for
+        # the local dtype and shape the programs were traced for
+        self._locals = {slot.names[0]: (tensors[slot.names[0]].dtype, tensors[slot.names[0]].shape)
+                        for slot in programs.traced.slots if slot.kind in ("param", "buffer")}
         for slot in programs.traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue
@@ -479,8 +480,8 @@ class ShardedModule(nn.Module):
         for slot in traced.slots:
             if slot.kind in ("param", "buffer"):
                 t = self._lookup(slot.names[0])
-                if t.dtype != self._dtypes[slot.names[0]]:
-                    raise self._dtype_error(slot.names[0], t.dtype)
+                if (t.dtype, t.shape) != self._locals[slot.names[0]]:
+                    raise self._local_error(slot.names[0], t)
                 feed.append(t)
             elif slot.kind == "constant":
                 feed.append(traced.constants[slot.names[0]])
@@ -488,8 +489,23 @@ class ShardedModule(nn.Module):
                 feed.append(leaves[slot.index])
         return feed
 
-    def _dtype_error(self, fqn: str, dtype: torch.dtype) -> ShardingError:
-        want = self._dtypes[fqn]
+    def _how_split(self, fqn: str) -> str:
+        """How parameter or buffer ``fqn`` is split over the mesh, e.g. ``"S(0) over 'tp'"``; empty if it is
+        whole on every rank."""
+        return ", ".join(f"{pl!r} over {axis!r}" for pl, axis in zip(self._placements[fqn], self._info.names)
+                         if pl != R)
+
+    def _local_error(self, fqn: str, t: torch.Tensor) -> ShardingError:
+        want, shape = self._locals[fqn]
+        if t.shape != shape:
+            how = self._how_split(fqn)
+            part = (f"this rank's part of it, of shape {list(shape)} (global {list(self._global_shapes[fqn])}, split "
+                    f"{how})" if how else f"shape {list(shape)} (whole on every rank)")
+            return ShardingError(
+                f"{self._where}: {fqn} has shape {list(t.shape)} on this rank, but the programs were traced for "
+                f"{part}; load a full value with sm.load_state_dict({{{fqn!r}: full_tensor}}, strict=False) (it "
+                f"keeps this rank's part), or assign a tensor of the local shape")
+        dtype = t.dtype
         return ShardingError(
             f"{self._where}: {fqn} has dtype {dtype}, but the module was sharded with it in {want} and the "
             f"programs were traced for that (e.g. after sm.to({dtype}) or sm.half()); convert the model before "

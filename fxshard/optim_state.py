@@ -26,7 +26,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import ShardingError
 from .optim_kinds import check_optimizer
-from .placements import R
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
 
@@ -60,18 +59,12 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         return
     owners = _owners()
     owned = [owners[id(p)] for p in params if id(p) in owners]
-    check_optimizer(optimizer, {fqn: how for sm, fqn in owned if (how := _how_split(sm, fqn))})
+    check_optimizer(optimizer, {fqn: how for sm, fqn in owned if (how := sm._how_split(fqn))})
     if owned and not getattr(optimizer, _HOOKED, False):
         optimizer.register_state_dict_post_hook(_state_as_dtensors)
         optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
         setattr(optimizer, _HOOKED, True)
     setattr(optimizer, _CHECKED, len(params))
-
-
-def _how_split(sm: Any, fqn: str) -> str:
-    """How ``sm`` splits parameter ``fqn`` over its mesh, e.g. ``"S(0) over 'tp'"``; empty if it is whole
-    on every rank."""
-    return ", ".join(f"{pl!r} over {axis!r}" for pl, axis in zip(sm._placements[fqn], sm._info.names) if pl != R)
 
 
 def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:

@@ -13,7 +13,8 @@
   the program and the collective (2 gloo ranks, short timeout);
 * call-time and spec errors name what was given and how to fix it (fake process group), and
   ``torch.autocast`` around ``shard()``, a call or a jitted call raises, and so does setting a traced
-  attribute (a dropout's ``p``) on the module or a submodule's stand-in (fake process group).
+  attribute (a dropout's ``p``) on the module or a submodule's stand-in, and so does a call after a parameter
+  was replaced by one of another shape (fake process group).
 """
 
 from __future__ import annotations
@@ -85,6 +86,23 @@ def test_a_module_converted_to_another_dtype_after_shard_raises(mesh2):
     sm.to(torch.float32)  # the values keep bfloat16's rounding, as the unsharded model's do
     model.to(torch.bfloat16).to(torch.float32)
     torch.testing.assert_close(sm(x8()), model(x8()))  # replicated plan: the fake group's collectives are exact
+
+
+def test_a_parameter_assigned_with_another_shape_raises(mesh2):
+    """A split parameter replaced by a full-shaped one failed deep inside the program with an expand
+    RuntimeError; the call names the parameter, both shapes and the layout, and the loading it suggests works."""
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                       example_inputs=(x8(),))
+    full = torch.randn(32, 16)
+    sm.net1.weight = nn.Parameter(full.clone())
+    with pytest.raises(ShardingError, match=r"net1.weight has shape \[32, 16\] on this rank, but the programs were "
+                                            r"traced for this rank's part of it, of shape \[16, 16\] \(global \[32, 16\], "
+                                            r"split S\(0\) over 'tp'\); load a full value with sm.load_state_dict"):
+        sm(x8())
+    sm.net1.weight = nn.Parameter(torch.empty(16, 16))
+    sm.load_state_dict({"net1.weight": full}, strict=False)
+    assert torch.equal(sm.net1.weight, full[:16])  # rank 0's part
+    sm(x8()).sum().backward()
 
 
 def test_keyword_order_does_not_matter(mesh2):
