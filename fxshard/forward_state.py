@@ -28,7 +28,7 @@ import torch
 
 from .errors import ShardingError
 
-__all__ = ["forward_state_unchanged"]
+__all__ = ["forward_state_unchanged", "host_rngs_unchanged"]
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
@@ -81,12 +81,12 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _check_rngs(before: dict[str, Any], after: dict[str, Any]) -> None:
+def _check_rngs(before: dict[str, Any], after: dict[str, Any], what: str = "the forward") -> None:
     for name, state in before.items():
         if not _same(state, after[name]):
             raise ShardingError(
-                f"the forward draws from {name} while fxshard traces it; fxshard runs the forward's Python "
-                f"code once, so the program would keep that one draw (a branch taken, a value) for every call "
+                f"{what} draws from {name} while fxshard traces it; fxshard runs {what}'s Python "
+                f"code once per traced signature, so the program would keep that one draw (a branch taken, a value) for every call "
                 f"where eager draws anew. Draw inside tensor ops with torch's generator (torch.rand, "
                 f"torch.bernoulli, dropout: fxshard traces those draws) or pass the outcome as an input")
 
@@ -131,3 +131,12 @@ def forward_state_unchanged(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def host_rngs_unchanged(what: str) -> Iterator[None]:
+    """Requires: the block traces ``what`` (e.g. ``"the jitted function step"``) once. Ensures: on a normal
+    exit Python's and numpy's global generators are where they were, else a ShardingError (module doc)."""
+    before = _host_rngs()
+    yield
+    _check_rngs(before, _host_rngs(), what)

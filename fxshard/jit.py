@@ -50,6 +50,7 @@ from .cost import linked_mesh_info
 from .context import ShardContext, runtime_device
 from .description import Sharding
 from .errors import ShardingError
+from .forward_state import host_rngs_unchanged
 from .inputs import check_no_autocast
 from .mesh import MeshInfo
 from .module import Program
@@ -289,7 +290,7 @@ class ShardedFunction:
             # torch.func); only a graph with in-place ops is re-traced under functionalize, where a mutated
             # argument shows up as a final copy_ into its placeholder (rejected below). The math SDPA
             # backend decomposes attention above autograd, so its backward is plain ATen too.
-            with sdpa_kernel([SDPBackend.MATH]):
+            with sdpa_kernel([SDPBackend.MATH]), host_rngs_unchanged(f"the jitted function {self.__name__}"):
                 gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=joint_decomposition_table(),
                              record_stack_traces=True)(*fakes)
             if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable

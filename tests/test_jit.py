@@ -292,6 +292,18 @@ def test_in_place_update_is_rejected(mesh2):
         fxshard.jit(step, mesh2, in_specs=(toy_specs(), None))(params, batch)
 
 
+def test_a_python_random_draw_in_the_function_is_refused(mesh2):
+    """The draw happened once, at trace time, and every call kept it (a branch or a value), silently."""
+    import random
+
+    def noisy(x):
+        return x * random.random()
+
+    with pytest.raises(fxshard.ShardingError, match=r"the jitted function noisy draws from Python's random module "
+                                                    r"while fxshard traces it.*Draw inside tensor ops"):
+        fxshard.jit(noisy, mesh2)(torch.randn(2, 2))
+
+
 def test_meta_example_inputs_trace_ahead_of_time_and_explain(mesh2):
     model, params, batch = _toy_setup()
     specs = toy_specs()
