@@ -7,7 +7,7 @@ drops its ``backward``, and a gradient hook registered on a tensor inside ``forw
 While :func:`custom_gradients_checked` is active:
 
 * ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` (``checkpoint(..., use_reentrant=True)``,
-  HF's ``gradient_checkpointing_enable()``) runs its function inline: checkpointing changes what is
+  HF's ``gradient_checkpointing_enable({"use_reentrant": True})``) runs its function inline: checkpointing changes what is
   kept for the backward, not any value or gradient (its recompute restores the RNG state), and
   ``shard(..., remat=...)`` is fxshard's way to recompute. As in eager, its outputs need no gradient
   when none of its tensor inputs requires one.

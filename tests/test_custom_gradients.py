@@ -4,7 +4,7 @@ fxshard exports the forward and derives the backward itself (``fxshard/custom_gr
 ranks (one ``run_ranks`` call), against the unsharded model on the same process, forward values and every
 full gradient:
 
-* ``torch.utils.checkpoint`` with ``use_reentrant=True`` (HF's ``gradient_checkpointing_enable()``) around
+* ``torch.utils.checkpoint`` with ``use_reentrant=True`` (what HF's ``gradient_checkpointing_enable()`` can use) around
   tensor-parallel blocks with dropout: export put everything after the first checkpoint under
   ``no_grad``, so no parameter got a gradient; ``use_reentrant=False`` alongside;
 * a reentrant checkpoint on an input that needs no gradient: its block gets none, as in eager;
