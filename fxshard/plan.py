@@ -4,7 +4,9 @@
 checking every entry before any tracing work: a glob that matches nothing, an
 unknown mesh axis, a spec longer than the tensor's rank, a shard dim out of
 range, a style on a module it does not support, and conflicting entries are
-all ShardingErrors naming the entry.
+all ShardingErrors naming the entry. A style on a module whose weight or bias is computed by
+``torch.nn.utils.parametrize`` (weight norm, spectral norm, orthogonal) pins the computed tensor's
+layout at the parametrization's output instead of placing a parameter.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import fnmatch
 from typing import Any, Mapping, Optional, Sequence
 
 import torch.nn as nn
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import Placement, Shard
+from torch.nn.utils.parametrize import is_parametrized
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from .errors import ShardingError
@@ -160,6 +163,8 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
                 if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
                     continue  # SequenceParallel and Prepare* keep parameters replicated
                 for pname, dim in _style_param_dims(spec, modules[fqn], key, fqn).items():
+                    if is_parametrized(modules[fqn], pname):
+                        continue  # its computed value is constrained instead (resolve_boundaries)
                     t = getattr(modules[fqn], pname, None)
                     if t is None:
                         continue
@@ -206,6 +211,14 @@ def resolve_boundaries(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh
             axis = style_axis(spec, mesh, key)
             for fqn in _style_hits(key, spec, modules, model):
                 out.setdefault(fqn, []).append(boundary_of(spec, modules[fqn], axis, key))
+                if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
+                    continue
+                for pname, dim in _style_param_dims(spec, modules[fqn], key, fqn).items():
+                    if dim is not None and is_parametrized(modules[fqn], pname):
+                        # torch.nn.utils.parametrize computes the tensor from other parameters in forward:
+                        # the style's layout is pinned on that value, the parameters are the plan's (or R)
+                        out.setdefault(f"{fqn}.parametrizations.{pname}", []).append(
+                            Boundary([], {}, [AxisSpec(axis, Shard(dim))]))
     return out
 
 
