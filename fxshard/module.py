@@ -94,6 +94,13 @@ class _RunSharded(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outs: Any) -> Any:  # type: ignore[override]
+        if torch.is_grad_enabled():  # the autograd engine runs a backward under create_graph=True with grad on
+            raise ShardingError(
+                f"{ctx.where}: a backward with create_graph=True (a gradient penalty, a Hessian-vector product) "
+                f"differentiates through this module's backward, but the module runs its sharded backward "
+                f"program as one step that is not itself differentiable, so second-order gradients would be "
+                f"wrong. Shard the whole computation with fxshard.jit instead (torch.func.grad nested inside "
+                f"the function), or take the second derivative of the unsharded model")
         tr: Training = ctx.training
         saved = list(ctx.others)
         for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):

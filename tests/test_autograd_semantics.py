@@ -12,11 +12,13 @@ Each case runs the sharded model on 2 gloo ranks next to the unsharded model on 
 * an input declared ``Partial('sum')`` (each rank holds a term) gets the whole gradient on every rank;
 * a plain tensor attribute (not a buffer, one of them read as a Python number) survives a train -> eval
   switch;
-* ``torch.compile(sm)`` follows a train -> eval switch (sharding again outside the dynamo trace).
+* ``torch.compile(sm)`` follows a train -> eval switch (sharding again outside the dynamo trace);
+* a gradient penalty's second derivative taken with ``fxshard.jit`` (nested ``torch.func.grad``).
 
-Loud failures: an input that requires grad where the example did not, with no parameter to train
-(2 ranks); mixed partial kinds over two mesh axes in ``in_specs``, a ``Partial('max')`` input that
-needs a gradient, and a tensor made on the input's device in a mode shard() did not trace (fake process
+Loud failures: an input that requires grad where the example did not, with no parameter to train,
+and a backward with ``create_graph=True`` through the module (it gave wrong second derivatives) (2
+ranks); mixed partial kinds over two mesh axes in ``in_specs``, a ``Partial('max')`` input that needs a
+gradient, and a tensor made on the input's device in a mode shard() did not trace (fake process
 group).
 """
 
@@ -28,6 +30,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
 from torch.distributed.tensor import Partial, Replicate
 
 import fxshard
@@ -196,6 +199,33 @@ def _cases(rank: int, world: int) -> dict:
     sm.eval(), ref.eval()
     out["compiled_eval"] = (cm(x)[0] - ref(x)[0]).abs().max().item()
 
+    # a second derivative through the module (a gradient penalty): it gave wrong gradients silently (the
+    # backward program is not differentiable); it raises, and fxshard.jit with nested torch.func.grad matches
+    torch.manual_seed(0)
+    ref, sm = pair(_DetachedView(), (x.clone().requires_grad_(),))
+    xi = x.clone().requires_grad_()
+    try:  # raised by the first backward: it was asked for a differentiable gradient
+        (gx,) = torch.autograd.grad(sm(xi)[0].tanh().sum(), xi, create_graph=True)
+        gx.square().sum().backward()
+        out["double_backward"] = "no error"
+    except ShardingError as e:
+        out["double_backward"] = str(e)
+
+    def penalty_grads(params, v):
+        def out_sum(vi, p):
+            return functional_call(ref, p, (vi,))[0].tanh().sum()
+        return torch.func.grad(lambda p: torch.func.grad(out_sum)(v, p).square().sum())(params)
+
+    def part(k, t):  # this rank's piece under specs
+        return t if k == "l2.bias" else t.chunk(2, dim=0 if k.startswith("l1") else 1)[rank]
+
+    params = {k: t.detach() for k, t in ref.named_parameters()}
+    specs = {"l1.weight": P("tp", None), "l1.bias": P("tp"), "l2.weight": P(None, "tp"), "l2.bias": None}
+    got = fxshard.jit(penalty_grads, mesh, in_specs=(specs, None), out_specs=specs)(
+        {k: part(k, t) for k, t in params.items()}, x)
+    want = penalty_grads(params, x)
+    out["jit_penalty"] = max((got[k] - part(k, want[k])).abs().max().item() for k in want)
+
     # an input that requires grad where the example did not, and no parameter to train
     class Cumsum(nn.Module):
         def forward(self, v):
@@ -247,6 +277,12 @@ def test_a_partial_sum_input_gets_the_whole_gradient_on_every_rank(cases):
 def test_mode_switches_keep_tensor_attributes_and_work_compiled(cases):
     for r in cases:
         assert r["attr_eval"] <= TOL and r["compiled_eval"] <= TOL, r
+
+
+def test_a_second_derivative_through_the_module_raises_and_jit_computes_it(cases):
+    for r in cases:
+        assert "a backward with create_graph=True" in r["double_backward"] and "fxshard.jit" in r["double_backward"], r
+        assert r["jit_penalty"] <= TOL, r["jit_penalty"]
 
 
 def test_an_input_gradient_without_a_program_raises(cases):
