@@ -51,7 +51,7 @@ from .context import ShardContext, runtime_device
 from .description import Sharding
 from .errors import ShardingError
 from .forward_state import host_rngs_unchanged
-from .inputs import check_no_autocast
+from .inputs import check_no_autocast, check_replicated_values
 from .mesh import MeshInfo
 from .module import Program
 from .frontend import check_consistent, context_for, graph_outputs, required_outputs
@@ -147,6 +147,7 @@ class ShardedFunction:
         self._in_specs = in_specs
         self._out_specs = out_specs
         self._cache: dict[Any, _Compiled] = {}
+        self._values_checked: set = set()  # signatures whose first call compared replicated arguments
         self._last: Optional[_Compiled] = None
         try:
             sig = inspect.signature(fn)
@@ -353,6 +354,10 @@ class ShardedFunction:
             comp = self._cache[key] = self._compile(leaves, tree)
         self._last = comp
         tensors = [x for x, l in zip(flat, leaves) if l.is_tensor]
+        if key not in self._values_checked:
+            check_replicated_values(tensors, [l.pls for l in leaves if l.is_tensor],
+                                    [f"{self.__name__}: argument {l.path}" for l in leaves if l.is_tensor], self._mesh)
+            self._values_checked.add(key)
         with torch.no_grad():  # a pure program on local tensors: differentiate inside fn, not through it
             outs = run_program(comp.program.gm, tensors, f"fxshard.jit({self.__name__})")
         return pytree.tree_unflatten(list(outs), comp.out_tree)

@@ -7,6 +7,9 @@
   values that differ raise (2 and 4 gloo ranks, unseeded models);
 * unfilled: a meta-built model that was never filled raises at its first call; legitimate fills
   (in-place writes, ``.data``, DCP) do not (2 gloo ranks);
+* inputs: a replicated input whose values differ between ranks raises at the first call (a per-process
+  data loader under tensor parallelism), also a jitted function's argument; declared split, per-rank
+  pieces run (2 gloo ranks);
 * ``fxshard.jit``: global-shaped arguments raise; ``fxshard.constrain`` inside jit inserts the same
   collectives as under ``shard()`` (fake process group) with the right numbers (2 gloo ranks);
 * timeouts: a rank that skips a forward or a backward makes its peer raise a ShardingError naming
@@ -414,10 +417,38 @@ def _jit_constrain(rank: int, world: int, mesh) -> dict:
     return {"loss_err": _err(loss, ref_loss), "grad_err": _err(grad, ref_grad), "collectives": why}
 
 
+def _inputs(rank: int, world: int, mesh) -> dict:
+    """Each rank passing its own batch where the input is replicated (a per-process data loader): the
+    TP program mixed the batches (no model's output); declared split, the same pieces are fine."""
+    model = models.ToyModel(16, 32)
+    mine = x8(seed=10 + rank)
+    sm = fxshard.shard(copy.deepcopy(model), mesh, TOY_PLAN, example_inputs=(x8(),))
+    try:
+        sm(mine)
+        out: dict = {"replicated_differs": "no error"}
+    except ShardingError as e:
+        out = {"replicated_differs": str(e)}
+    sm = fxshard.shard(copy.deepcopy(model), mesh, {}, example_inputs=(torch.cat([x8(10), x8(11)]),),
+                       in_specs=(P("tp"),), out_specs=P("tp"))
+    out["split_err"] = _err(sm(mine), model(mine))
+
+    def project(w: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return v @ w
+
+    sf = fxshard.jit(project, mesh, in_specs=(P(None, "tp"), None), out_specs=P(None, "tp"))
+    try:
+        sf(torch.ones(16, 4), mine)
+        out["jit_differs"] = "no error"
+    except ShardingError as e:
+        out["jit_differs"] = str(e)
+    return out
+
+
 def _semantics(rank: int, world: int, path: str) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     return {"modes": _modes(rank, world, mesh), "values": _values(rank, world, mesh),
-            "unfilled": _unfilled(rank, world, mesh, path), "jit": _jit_constrain(rank, world, mesh)}
+            "unfilled": _unfilled(rank, world, mesh, path), "jit": _jit_constrain(rank, world, mesh),
+            "inputs": _inputs(rank, world, mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -458,6 +489,16 @@ def test_src_data_rank_none_names_replicated_values_that_differ(semantics):
         assert "0.weight" not in msg and "0.bias" not in msg and "2.weight" not in msg, msg  # split: may differ
 
 
+def test_a_replicated_input_that_differs_between_ranks_raises(semantics):
+    for res in semantics:
+        msg = res["inputs"]["replicated_differs"]
+        assert "input 0 is laid out replicated over mesh axis 'tp'" in msg and "values differ" in msg, msg
+        assert "in_specs=P('tp')" in msg, msg
+        assert res["inputs"]["split_err"] <= TOL, res["inputs"]
+        msg = res["inputs"]["jit_differs"]
+        assert "project: argument v is laid out replicated over mesh axis 'tp'" in msg, msg
+
+
 def test_unfilled_meta_parameters_raise_until_written(semantics):
     for res in semantics:
         first, second = res["unfilled"]["errors"]
@@ -487,6 +528,7 @@ def _skipped_calls(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     x = x8()
     tp = fxshard.shard(models.ToyModel(16, 32), mesh, TOY_PLAN, example_inputs=(x,))  # all_reduce in forward
+    tp(x)  # the first call also compares the replicated input across ranks: done while both ranks call
     # data parallel on a second group (its own collective sequence): gradient all_reduces in backward
     group_b = dist.new_group(timeout=timedelta(seconds=60))
     mesh_b = DeviceMesh.from_group(group_b, "cpu", mesh_dim_names=("tp",))
