@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm_errors import guard_collective
-from .consistency import _communicates
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .placements import Pl, Replicated
+from .placements import Pl
+from .replicas import check_replicas
 from .spec import local_shape, shard_factor
 from .symbolic import Dim, is_concrete, sym_shape
 
@@ -178,6 +178,11 @@ class InputCheck:
 
 
 _COMPARING = "comparing the replicated inputs across ranks (the first collective of a program's first call)"
+_WHY = ("one program runs on every rank and takes a replicated input to be the same tensor everywhere, so the "
+        "result would be no model's. Pass every rank of a group the same values (e.g. sample data per "
+        "data-parallel rank, not per process: DistributedSampler(num_replicas=<dp size>, rank=<dp rank>)), or "
+        "declare how the input is split (in_specs=P('dp') for a batch split over 'dp'); in_specs default to "
+        "replicated. Checked on the first call of each program")
 
 
 def check_replicated_values(tensors: Sequence[Any], placements: Sequence[Sequence[Pl]], names: Sequence[str],
@@ -185,47 +190,10 @@ def check_replicated_values(tensors: Sequence[Any], placements: Sequence[Sequenc
     """Requires: every rank of ``mesh`` calls this with its local ``tensors`` (``placements`` and ``names``, for
     messages, per tensor; non-tensors are skipped). Ensures: returns when every tensor laid out replicated over a
     mesh axis holds the same values on all ranks of that axis, else raises a ShardingError on every rank of
-    ``mesh`` naming the first that does not. Compares exact fingerprints (sum, sum of squares, a
-    position-weighted sum, in float64): 2 small collectives per mesh axis with a replicated tensor; nothing
-    on one process or the fake process group."""
-    if not _communicates():
-        return
-    differs = torch.zeros(len(names), dtype=torch.int64, device=mesh.device_type)
-    for axis in range(mesh.ndim):
-        group = mesh.get_group(axis)
-        idx = [i for i, (t, pls) in enumerate(zip(tensors, placements))
-               if isinstance(t, torch.Tensor) and isinstance(pls[axis], Replicated)]
-        if not idx or dist.get_world_size(group) == 1:
-            continue
-        mine = torch.stack([_fingerprint(tensors[i]) for i in idx])
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        guard_collective(lambda: dist.all_gather(everyone, mine, group=group), _COMPARING)
-        for k, i in enumerate(idx):
-            if any(not torch.isclose(o[k], everyone[0][k], rtol=0, atol=0, equal_nan=True).all() for o in everyone):
-                differs[i] = max(int(differs[i]), axis + 1)
-    for axis in range(mesh.ndim):  # every rank of the mesh learns what any rank found
-        guard_collective(lambda: dist.all_reduce(differs, op=dist.ReduceOp.MAX, group=mesh.get_group(axis)),
-                         _COMPARING)
-    for name, axis in zip(names, differs.tolist()):
-        if axis:
-            ax = mesh.mesh_dim_names[axis - 1] if mesh.mesh_dim_names else str(axis - 1)
-            raise ShardingError(
-                f"{name} is laid out replicated over mesh axis {ax!r} (in_specs; the default is replicated), but "
-                f"its values differ between the ranks of that axis: one program runs on every rank and takes the "
-                f"replicated value to be the same tensor everywhere, so the result would be no model's. Pass "
-                f"every rank of a {ax!r} group the same values (e.g. sample data per data-parallel rank, not per "
-                f"process: DistributedSampler(num_replicas=<dp size>, rank=<dp rank>)), or declare how it is "
-                f"split (in_specs=P({ax!r}) for a batch split over {ax!r}). Checked on the first call of each "
-                f"program")
-
-
-def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """Three float64 numbers that equal tensors share (computed the same way on every rank)."""
-    v = x.detach().reshape(-1)
-    v = torch.view_as_real(v).reshape(-1) if v.is_complex() else v
-    v = v.to(torch.float64)
-    pos = torch.arange(v.numel(), dtype=torch.float64, device=v.device).mul_(0.6180339887498949).frac_().add_(0.5)
-    return torch.stack([v.sum(), v.square().sum(), (v * pos).sum()])
+    ``mesh`` naming those that do not (``replicas.check_replicas``: one checksum per tensor, exchanged per
+    mesh axis; nothing on one process or the fake process group)."""
+    named = {n: t for n, t in zip(names, tensors) if isinstance(t, torch.Tensor)}
+    guard_collective(lambda: check_replicas(named, dict(zip(names, placements)), mesh, _WHY), _COMPARING)
 
 
 def check_no_autocast(where: str, device_type: str) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .placements import Pl, S
+from .placements import Pl, Replicated
 
 __all__ = ["communicates", "from_source", "check_replicas", "checksum", "sentinel", "holds_sentinel"]
 
@@ -71,7 +71,8 @@ def check_replicas(tensors: Mapping[str, torch.Tensor], placements: Mapping[str,
                    why: str) -> None:
     """Raise a ShardingError on every rank naming the tensors whose replicas differ between ranks.
 
-    A tensor must hold the same local values on the ranks of every mesh axis it is not split on.
+    A tensor must hold the same local values on the ranks of every mesh axis it is replicated on (not split,
+    not partial).
     One ``all_gather_object`` per mesh axis (of one checksum per tensor). ``why`` ends the message
     (how the values came to be local, and how to fix it).
     """
@@ -88,7 +89,7 @@ def check_replicas(tensors: Mapping[str, torch.Tensor], placements: Mapping[str,
         dist.all_gather_object(everyone, sums, group=group)
         ranks = dist.get_process_group_ranks(group)
         for name in tensors:
-            if isinstance(placements[name][a], S) or name in bad:
+            if not isinstance(placements[name][a], Replicated) or name in bad:  # split or partial: may differ
                 continue
             diff = [r for r, other in zip(ranks, everyone) if other is not None and other.get(name) != sums[name]]
             if diff:

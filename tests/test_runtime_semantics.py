@@ -492,11 +492,11 @@ def test_src_data_rank_none_names_replicated_values_that_differ(semantics):
 def test_a_replicated_input_that_differs_between_ranks_raises(semantics):
     for res in semantics:
         msg = res["inputs"]["replicated_differs"]
-        assert "input 0 is laid out replicated over mesh axis 'tp'" in msg and "values differ" in msg, msg
-        assert "in_specs=P('tp')" in msg, msg
+        assert "replicated values differ between ranks: input 0 (rank " in msg, msg
+        assert "replicated on mesh axis 'tp'" in msg and "in_specs=P('dp')" in msg, msg
         assert res["inputs"]["split_err"] <= TOL, res["inputs"]
         msg = res["inputs"]["jit_differs"]
-        assert "project: argument v is laid out replicated over mesh axis 'tp'" in msg, msg
+        assert "replicated values differ between ranks: project: argument v (rank " in msg, msg
 
 
 def test_unfilled_meta_parameters_raise_until_written(semantics):
