@@ -7,9 +7,9 @@ drops its ``backward``, and a gradient hook registered on a tensor inside ``forw
 While :func:`custom_gradients_checked` is active:
 
 * ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction`` (``checkpoint(..., use_reentrant=True)``,
-  HF's ``gradient_checkpointing_enable({"use_reentrant": True})``) runs its function inline: checkpointing changes what is
-  kept for the backward, not any value or gradient (its recompute restores the RNG state), and
-  ``shard(..., remat=...)`` is fxshard's way to recompute. As in eager, its outputs need no gradient
+  HF's ``gradient_checkpointing_enable({"use_reentrant": True})``) runs its function inline:
+  checkpointing changes what is kept for the backward, not any value or gradient (its recompute
+  restores the RNG state), and ``shard(..., remat=...)`` is fxshard's way to recompute. As in eager, its outputs need no gradient
   when none of its tensor inputs requires one.
 * any other ``autograd.Function`` applied to a tensor that requires grad, and ``Tensor.register_hook``
   on one, raise a ShardingError naming it and the way out (a ``torch.library.custom_op`` with
@@ -25,8 +25,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils.checkpoint
-from torch.utils import _pytree as pytree
 from torch.nn.modules._functions import BackwardHookFunction
+from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
 

@@ -4,7 +4,8 @@ fxshard runs the model's Python ``forward`` once, while tracing; every call of t
 the traced program. A forward that changes a plain attribute of the model or of a submodule (a call
 counter, a flag, a list it appends to) would do so on every eager call, and any value computed from
 that state would differ from the second call on, silently. :func:`forward_state_unchanged` compares the
-plain attributes before and after the trace and raises a ShardingError naming the first that changed.
+plain attributes before and after the traced call and raises a ShardingError naming the first that
+changed.
 
 Compared: Python scalars (numbers, strings, ``None``) by value; lists, tuples, dicts and sets by
 their length and their scalar elements; other objects by identity. Tensors are not compared (buffers
@@ -85,9 +86,9 @@ def _check_rngs(before: dict[str, Any], after: dict[str, Any], what: str = "the 
     for name, state in before.items():
         if not _same(state, after[name]):
             raise ShardingError(
-                f"{what} draws from {name} while fxshard traces it; fxshard runs {what}'s Python "
-                f"code once per traced signature, so the program would keep that one draw (a branch taken, a value) for every call "
-                f"where eager draws anew. Draw inside tensor ops with torch's generator (torch.rand, "
+                f"{what} draws from {name} while fxshard traces it; fxshard runs {what}'s Python code once "
+                f"per traced signature, so the program would keep that one draw (a branch taken, a value) for "
+                f"every call where eager draws anew. Draw inside tensor ops with torch's generator (torch.rand, "
                 f"torch.bernoulli, dropout: fxshard traces those draws) or pass the outcome as an input")
 
 
@@ -111,8 +112,9 @@ def _check(before: dict, after: dict) -> None:
 def forward_state_unchanged(model: torch.nn.Module) -> Iterator[None]:
     """Requires: ``model``'s forward is called (through ``model(...)``) inside the block. Ensures: each
     call leaves every plain attribute of ``model`` and its submodules comparing equal and the host
-    generators where they were (module doc), else it raises a ShardingError naming the attribute, its values and the fix. Compared from the model's
-    own forward hooks, as ``torch.export`` restores the attributes after its trace."""
+    generators where they were (module doc), else it raises a ShardingError naming the attribute, its
+    values and the fix. Compared from the model's own forward hooks, as ``torch.export`` restores the
+    attributes after its trace."""
     before: dict = {}
     rngs: dict = {}
 
