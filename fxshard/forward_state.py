@@ -16,6 +16,10 @@ Host random numbers too: a forward that draws from Python's ``random`` or ``nump
 LayerDrop written ``if random.random() < p``) draws once, while traced, and the program keeps that one
 outcome for every call (measured: every call took the traced branch while eager's varied); the check
 compares those generators' states around the traced call and raises.
+
+Forward hooks already on the model when it is traced (:func:`warn_traced_hooks`) are traced with it:
+what they compute on tensors runs on every call, their Python side effects (logging, appending to a
+list) once. That is legitimate often enough (a hook that rescales an output) that it warns instead.
 """
 
 from __future__ import annotations
@@ -23,13 +27,14 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
+import warnings
 from typing import Any, Iterator
 
 import torch
 
 from .errors import ShardingError
 
-__all__ = ["forward_state_unchanged", "host_rngs_unchanged"]
+__all__ = ["forward_state_unchanged", "host_rngs_unchanged", "warn_traced_hooks"]
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
@@ -142,3 +147,20 @@ def host_rngs_unchanged(what: str) -> Iterator[None]:
     before = _host_rngs()
     yield
     _check_rngs(before, _host_rngs(), what)
+
+
+def warn_traced_hooks(model: torch.nn.Module) -> None:
+    """Warn (once per model class and hook set) when ``model``, a submodule, or ``torch.nn``'s global hooks
+    have forward (pre-)hooks: tracing runs them once (module doc)."""
+    from torch.nn.modules import module as nn_module
+
+    hooked = [fqn or "<root>" for fqn, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        hooked.insert(0, "all modules (torch.nn.modules.module.register_module_forward_hook)")
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        warnings.warn(
+            f"fxshard: forward hooks on {', '.join(hooked[:3])}{more} run once, while {type(model).__name__} is "
+            f"traced: what they compute on tensors is part of the program and runs on every call, but their "
+            f"Python side effects (logging, collecting activations) happen only at shard(). Register hooks that "
+            f"must run per call on the ShardedModule, or return the values from forward", stacklevel=3)

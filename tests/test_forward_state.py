@@ -107,3 +107,15 @@ def test_a_host_random_draw_in_forward_is_refused(mesh2, name, draw):
     model = _LayerDrop(draw).eval()  # no draw: traced as eager runs it
     sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,))
     assert torch.equal(sm(x), model(x))
+
+
+def test_forward_hooks_on_the_model_warn_that_they_run_at_trace_time(mesh2):
+    """A hook that collects activations ran once, at shard(), and never again: the tensor math is traced, the
+    Python side effect is not."""
+    model, seen = _Cache(), []
+    model(torch.randn(2, 4))
+    model.net1.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    with pytest.warns(UserWarning, match=r"forward hooks on net1 run once, while _Cache is traced"):
+        sm = fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(2, 4),))
+    sm(torch.randn(2, 4))
+    assert len(seen) == 1  # the trace's call only: why it warns

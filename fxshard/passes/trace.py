@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 from ..constrain import constraint_scope, record
 from ..custom_grads import custom_gradients_checked
 from ..errors import ShardingError
-from ..forward_state import forward_state_unchanged
+from ..forward_state import forward_state_unchanged, warn_traced_hooks
 from ..fake_trace import fake_inputs, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import STOP_KEY, source_line
 from ..trace_by_op import by_op_enabled, forward_by_op
@@ -531,6 +531,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
     with tracing_errors(f"{type(model).__name__} with torch.export (non-strict)",
                         "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on "
                         "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok():
+        warn_traced_hooks(model)
         with _boundary_hooks(model, boundaries), custom_gradients_checked(), forward_state_unchanged(model):
             ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                      strict=False)
