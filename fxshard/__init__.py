@@ -6,6 +6,7 @@ from . import rules as _rules  # noqa: F401  (registers every op rule)
 from .api import shard
 from .compile import backend, backend_options
 from .constrain import constrain
+from .custom_grads import allow_autograd_function
 from .errors import ShardingError
 from .hf import from_hf
 from .inspect import comm_stats, explain
@@ -27,5 +28,5 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "constrain",
     "ShardingError", "ShardedModule", "init_mesh", "shard", "jit", "ShardedFunction", "memory", "explain", "comm_stats",
     "optim_state_dict", "load_optim_state_dict",
-    "backend", "backend_options", "from_hf", "tiled_init", "loss_parallel",
+    "backend", "backend_options", "from_hf", "tiled_init", "loss_parallel", "allow_autograd_function",
 ]

@@ -15,7 +15,9 @@ While :func:`custom_gradients_checked` is active:
   on one, raise a ShardingError naming it and the way out (a ``torch.library.custom_op`` with
   ``register_autograd`` keeps its backward through export and the joint trace). Applied where no
   gradient is needed (frozen weights, ``torch.no_grad()``), a Function's forward is all that runs in eager
-  too, and tracing it is exact.
+  too, and tracing it is exact. So is a Function whose backward computes exactly the derivative of its
+  forward (a hand-written backward for speed): :func:`allow_autograd_function` declares one, and
+  ``_DERIVATIVE_BACKWARDS`` lists those known in libraries.
 """
 
 from __future__ import annotations
@@ -30,15 +32,38 @@ from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
 
-__all__ = ["custom_gradients_checked"]
+__all__ = ["custom_gradients_checked", "allow_autograd_function"]
 
 _FIX = ("fxshard derives the backward from the traced forward ops. Give the op its own gradient as a "
         "torch.library.custom_op with register_autograd (torch's way to keep a custom backward through "
-        "torch.export; fxshard runs such an op replicated), or, if the backward is just the derivative of "
-        "the forward, call the forward's code directly")
+        "torch.export; fxshard runs such an op replicated)")
 
 # the autograd.Function a custom op's register_autograd generates: the op stays one node in the export
 _CUSTOM_OP_AUTOGRAD = "torch._library."
+# Functions whose backward is the derivative of their forward, by qualified name. PhimoeMultiplier: the
+# backward is the softmax Jacobian-vector product of the gathered gate (checked against autodiff in
+# tests/test_custom_gradients.py)
+_DERIVATIVE_BACKWARDS = {"transformers.models.phimoe.modeling_phimoe.PhimoeMultiplier"}
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def allow_autograd_function(cls: type) -> type:
+    """Declare that ``cls``, a ``torch.autograd.Function`` subclass, has a backward that computes exactly the
+    derivative of its forward, so that ``shard()`` may trace its forward and differentiate that (what it
+    refuses by default: ``torch.export`` keeps only the forward). Returns ``cls`` (usable as a decorator).
+
+    Requires: ``cls`` subclasses ``torch.autograd.Function``, else a ShardingError. Ensures: later traces
+    apply it without raising. Declaring a Function whose backward is something else (a straight-through
+    estimator, a gradient reversal) makes fxshard's gradients differ from eager's, silently.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+        raise ShardingError(f"allow_autograd_function expects a torch.autograd.Function subclass, got {cls!r}; "
+                            f"pass the class whose .apply the model calls")
+    _DERIVATIVE_BACKWARDS.add(_qualified(cls))
+    return cls
 
 
 def _needs_grad(values: Any) -> bool:
@@ -55,9 +80,10 @@ def _function_error(cls: type) -> ShardingError:
             "before shard() and register it on the ShardedModule (its local inputs and outputs), or shard "
             "that submodule on its own")
     return ShardingError(
-        f"the forward applies the torch.autograd.Function {cls.__module__}.{cls.__qualname__} to a tensor that "
-        f"requires grad; torch.export traces only its forward, so its backward would be silently replaced by "
-        f"the derivative of the forward ops. {_FIX}")
+        f"the forward applies the torch.autograd.Function {_qualified(cls)} to a tensor that requires grad; "
+        f"torch.export traces only its forward, so its backward would be silently replaced by the derivative "
+        f"of the forward ops. {_FIX}; if its backward is exactly that derivative (a faster hand-written one), "
+        f"declare it with fxshard.allow_autograd_function({cls.__qualname__})")
 
 
 @contextlib.contextmanager
@@ -73,7 +99,8 @@ def custom_gradients_checked() -> Iterator[None]:
             run, _preserve_rng, *inputs = args
             with torch.set_grad_enabled(_needs_grad(inputs)):
                 return run(*inputs)
-        if _needs_grad((args, kwargs)) and not cls.__module__.startswith(_CUSTOM_OP_AUTOGRAD):
+        if (_needs_grad((args, kwargs)) and not cls.__module__.startswith(_CUSTOM_OP_AUTOGRAD)
+                and _qualified(cls) not in _DERIVATIVE_BACKWARDS):
             raise _function_error(cls)
         return apply(cls, *args, **kwargs)
 

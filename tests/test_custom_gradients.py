@@ -204,3 +204,66 @@ def test_a_backward_hook_on_a_submodule_is_refused(mesh2):
     model.net1.register_full_backward_hook(lambda mod, gin, gout: None)
     with pytest.raises(ShardingError, match=r"backward hook on a module \(register_full_backward_hook"):
         fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(2, 8),))
+
+
+class _Square(torch.autograd.Function):
+    """A hand-written backward that is exactly the derivative of the forward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _Squared(_Plain):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(_Square.apply(self.net1(x)))
+
+
+def test_a_function_declared_to_backpropagate_its_derivative_is_traced(mesh2):
+    x = torch.randn(2, 8)
+    with pytest.raises(ShardingError, match=r"declare it with fxshard.allow_autograd_function\(_Square\)"):
+        fxshard.shard(_Squared(), mesh2, {}, example_inputs=(x,))
+    assert fxshard.allow_autograd_function(_Square) is _Square
+    model = _Squared()
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,))  # replicated: no collective
+    sm(x).sum().backward()
+    model(x).sum().backward()
+    for n, p in sm.named_parameters():
+        torch.testing.assert_close(p.grad, model.get_parameter(n).grad)
+    with pytest.raises(ShardingError, match=r"expects a torch.autograd.Function subclass, got <class"):
+        fxshard.allow_autograd_function(nn.Linear)
+
+
+def test_phimoe_multiplier_backward_is_the_derivative_of_its_forward():
+    """Why PhiMoE's PhimoeMultiplier is on the built-in list: autodiff of its forward gives its backward's
+    gradients on the tiny zoo model (tests/test_hf_zoo.py then trains phimoe exactly under fxshard)."""
+    import transformers.models.phimoe.modeling_phimoe as phimoe
+
+    from tests.test_hf_zoo import build
+
+    model, kwargs = build("phimoe")
+    traced = copy.deepcopy(model)
+    custom, calls = phimoe.PhimoeMultiplier.apply, []
+
+    def counted(*args):
+        calls.append(1)
+        return custom(*args)
+
+    try:
+        phimoe.PhimoeMultiplier.apply = staticmethod(counted)
+        model(**kwargs).loss.backward()
+        phimoe.PhimoeMultiplier.apply = staticmethod(lambda scores, multiplier, selected, gates, mask: multiplier * mask)
+        traced(**kwargs).loss.backward()
+    finally:
+        phimoe.PhimoeMultiplier.apply = custom
+    assert calls, "the tiny model never applied PhimoeMultiplier"
+    gate = [n for n, _ in model.named_parameters() if n.endswith("router.weight") or n.endswith("gate.weight")]
+    assert gate, [n for n, _ in model.named_parameters()]
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(traced.get_parameter(n).grad, p.grad, rtol=1e-5, atol=1e-7)

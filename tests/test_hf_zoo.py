@@ -51,7 +51,7 @@ ZOO: dict[str, dict[str, Any]] = {
     "jamba": {}, "nanochat": {}, "jais2": {}, "mimo_v2_flash": EAGER,
 }
 CI_ARCHS = ["llama", "mistral", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "gpt_neox", "starcoder2", "mixtral",
-            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "llama4_text", "deepseek_v3"]
+            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "llama4_text", "deepseek_v3", "phimoe"]
 
 
 def build(arch: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -162,6 +162,8 @@ def test_hf_zoo_trains_exactly_under_its_own_plan():
     print(report)
     bad = verdicts(results)
     assert not bad, report + "\n\n" + "\n".join(bad)
+    # every architecture CI runs trains exactly (a ShardingError, acceptable in the --all table, is not here)
+    assert [a for a, r in results.items() if r["status"] != "exact"] == [], report
 
 
 if __name__ == "__main__":
