@@ -11,8 +11,9 @@ While :func:`custom_gradients_checked` is active:
   checkpointing changes what is kept for the backward, not any value or gradient (its recompute
   restores the RNG state), and ``shard(..., remat=...)`` is fxshard's way to recompute. As in eager, its outputs need no gradient
   when none of its tensor inputs requires one.
-* any other ``autograd.Function`` applied to a tensor that requires grad, and ``Tensor.register_hook``
-  on one, raise a ShardingError naming it and the way out (a ``torch.library.custom_op`` with
+* any other ``autograd.Function`` applied to a tensor that requires grad, ``Tensor.register_hook``
+  on one, and backward hooks on the model's modules (full ones, which export runs through a Function,
+  and the deprecated ``register_backward_hook``, which hooks a ``grad_fn``) raise a ShardingError naming it and the way out (a ``torch.library.custom_op`` with
   ``register_autograd`` keeps its backward through export and the joint trace). Applied where no
   gradient is needed (frozen weights, ``torch.no_grad()``), a Function's forward is all that runs in eager
   too, and tracing it is exact. So is a Function whose backward computes exactly the derivative of its
@@ -71,14 +72,27 @@ def _needs_grad(values: Any) -> bool:
         isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(values))
 
 
+def _backward_hook_error(where: str) -> ShardingError:
+    return ShardingError(
+        f"the model has a backward hook on {where} (register_full_backward_hook, register_full_backward_pre_hook "
+        f"or register_backward_hook), and fxshard traces the forward into one program and derives the backward "
+        f"itself, so the hook would never run. Remove it before shard() and register it on the ShardedModule "
+        f"(its local inputs and outputs), or shard that submodule on its own")
+
+
+def _refuse_backward_hooks(model: torch.nn.Module) -> None:
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks:
+        raise _backward_hook_error("every module (torch.nn.modules.module.register_module_full_backward_hook)")
+    for fqn, m in model.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            raise _backward_hook_error(repr(fqn) if fqn else "the model itself")
+
+
 def _function_error(cls: type) -> ShardingError:
-    if issubclass(cls, BackwardHookFunction):
-        return ShardingError(
-            "the model has a backward hook on a module (register_full_backward_hook or "
-            "register_full_backward_pre_hook on the model or one of its submodules), and fxshard traces the "
-            "forward into one program and derives the backward itself, so the hook would never run. Remove it "
-            "before shard() and register it on the ShardedModule (its local inputs and outputs), or shard "
-            "that submodule on its own")
+    if issubclass(cls, BackwardHookFunction):  # a hook added while tracing (the modules were checked before)
+        return _backward_hook_error("a module")
     return ShardingError(
         f"the forward applies the torch.autograd.Function {_qualified(cls)} to a tensor that requires grad; "
         f"torch.export traces only its forward, so its backward would be silently replaced by the derivative "
@@ -87,9 +101,11 @@ def _function_error(cls: type) -> ShardingError:
 
 
 @contextlib.contextmanager
-def custom_gradients_checked() -> Iterator[None]:
-    """While active (around ``torch.export.export`` of a model's forward), ``autograd.Function.apply`` and
-    ``Tensor.register_hook`` behave as the module doc says. Restores both on exit."""
+def custom_gradients_checked(model: torch.nn.Module) -> Iterator[None]:
+    """Requires: no backward hooks on ``model``, its submodules or all modules (else a ShardingError naming
+    where). While active (around ``torch.export.export`` of ``model``'s forward), ``autograd.Function.apply``
+    and ``Tensor.register_hook`` behave as the module doc says. Restores both on exit."""
+    _refuse_backward_hooks(model)
     function_apply = torch.autograd.Function.__dict__["apply"]
     register_hook = torch.Tensor.register_hook
     apply = function_apply.__func__

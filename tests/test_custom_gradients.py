@@ -200,10 +200,11 @@ def test_a_gradient_hook_in_forward_is_refused(mesh2):
 
 
 def test_a_backward_hook_on_a_submodule_is_refused(mesh2):
-    model = _Plain()
-    model.net1.register_full_backward_hook(lambda mod, gin, gout: None)
-    with pytest.raises(ShardingError, match=r"backward hook on a module \(register_full_backward_hook"):
-        fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(2, 8),))
+    for register in ("register_full_backward_hook", "register_backward_hook"):  # the second: on its grad_fn
+        model = _Plain()
+        getattr(model.net1, register)(lambda mod, gin, gout: None)
+        with pytest.raises(ShardingError, match=r"backward hook on 'net1' \(register_full_backward_hook"):
+            fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(2, 8),))
 
 
 class _Square(torch.autograd.Function):
