@@ -79,15 +79,17 @@ class _LossInside(nn.Module):
         return {"loss": loss, "log": loss.detach()}
 
 
-def _grad_err(sm, ref: nn.Module) -> float:
-    """Largest difference between the sharded and eager gradients (inf when only one side has one)."""
+def _grad_err(sm, ref: nn.Module, relative: bool = False) -> float:
+    """Largest difference between the sharded and eager full gradients (inf when only one side has one);
+    ``relative``: each divided by the largest eager entry of that gradient (at least 1)."""
     err = 0.0
     for n, p in sm.named_parameters():
         r = ref.get_parameter(n).grad
         if (p.grad is None) != (r is None):
             return float("inf")
         if r is not None:
-            err = max(err, (sm._dtensor(n, p.grad).full_tensor() - r).abs().max().item())
+            scale = max(1.0, r.abs().max().item()) if relative else 1.0
+            err = max(err, (sm._dtensor(n, p.grad).full_tensor() - r).abs().max().item() / scale)
     return err
 
 

@@ -28,6 +28,7 @@ import torch.utils.checkpoint as checkpoint
 import fxshard
 from fxshard import ColwiseParallel, RowwiseParallel, ShardingError
 from tests.dist_utils import run_ranks
+from tests.test_autograd_semantics import _grad_err
 
 TOL = 1e-5
 
@@ -84,19 +85,6 @@ class _RoundOp(nn.Module):
         return self.net2(_scaled_round(self.net1(x)))
 
 
-def _grad_err(sm, ref: nn.Module) -> float:
-    """Largest difference between the sharded and eager full gradients, relative to the largest eager
-    entry of each (inf when only one side has one)."""
-    err = 0.0
-    for n, p in sm.named_parameters():
-        r = ref.get_parameter(n).grad
-        if (p.grad is None) != (r is None):
-            return float("inf")
-        if r is not None:
-            err = max(err, (sm._dtensor(n, p.grad).full_tensor() - r).abs().max().item() / max(1.0, r.abs().max().item()))
-    return err
-
-
 def _cases(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=2)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
@@ -113,7 +101,7 @@ def _cases(rank: int, world: int) -> dict:
         torch.manual_seed(1)
         want = ref(x)
         (want * torch.arange(want.numel()).view_as(want)).sum().backward()
-        out[name] = {"fwd": (got - want).abs().max().item(), "grad": _grad_err(sm, ref),
+        out[name] = {"fwd": (got - want).abs().max().item(), "grad": _grad_err(sm, ref, relative=True),
                      "no_grad": sorted(n for n, p in sm.named_parameters() if p.grad is None),
                      "eager_no_grad": sorted(n for n, p in ref.named_parameters() if p.grad is None)}
     return out
