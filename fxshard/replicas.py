@@ -73,23 +73,29 @@ def check_replicas(tensors: Mapping[str, torch.Tensor], placements: Mapping[str,
 
     A tensor must hold the same local values on the ranks of every mesh axis it is replicated on (not split,
     not partial).
-    One ``all_gather_object`` per mesh axis (of one checksum per tensor). ``why`` ends the message
-    (how the values came to be local, and how to fix it).
+    One ``all_gather_object`` per mesh axis some tensor is replicated over (of one checksum per such tensor),
+    then one per axis to spread what was found; no collective when no tensor is replicated over an axis of
+    several ranks. ``why`` ends the message (how the values came to be local, and how to fix it).
     """
     if not communicates(mesh):
         return
     info = MeshInfo.of(mesh)
-    sums = {name: checksum(t) for name, t in tensors.items()}
+    # per mesh axis of several ranks, the tensors that must agree over it (the same on every rank: one plan)
+    must = {a: [n for n in tensors if isinstance(placements[n][a], Replicated)]
+            for a in range(len(info.names)) if info.sizes[a] > 1}
+    if not any(must.values()):
+        return
+    sums = {name: checksum(tensors[name]) for name in dict.fromkeys(n for names in must.values() for n in names)}
     bad: dict[str, str] = {}
     for a, axis in enumerate(info.names):
-        if info.sizes[a] == 1:
+        if not must.get(a):
             continue
         group = mesh.get_group(a)
         everyone: list[Optional[dict]] = [None] * info.sizes[a]
         dist.all_gather_object(everyone, sums, group=group)
         ranks = dist.get_process_group_ranks(group)
-        for name in tensors:
-            if not isinstance(placements[name][a], Replicated) or name in bad:  # split or partial: may differ
+        for name in must[a]:  # split or partial placements may differ
+            if name in bad:
                 continue
             diff = [r for r, other in zip(ranks, everyone) if other is not None and other.get(name) != sums[name]]
             if diff:
