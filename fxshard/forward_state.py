@@ -8,9 +8,17 @@ plain attributes before and after the traced call and raises a ShardingError nam
 changed.
 
 Compared: Python scalars (numbers, strings, ``None``) by value; lists, tuples, dicts and sets by
-their length and their scalar elements; other objects by identity. Tensors are not compared (buffers
-are the model's state fxshard carries; a tensor attribute is traced as a constant). Attributes every
-``nn.Module`` has (hooks, ``training``, parameters, buffers, submodules) are left out.
+their length and their scalar elements; other objects by identity. Attributes every ``nn.Module`` has
+(hooks, ``training``, parameters, buffers, submodules) are left out.
+
+Tensors: buffers are the model's state fxshard carries (reassigning one in forward is traced as its
+update). A plain tensor attribute, or a tensor in a list, tuple or dict attribute, that forward *reads*
+is traced as a constant: if forward also replaces it (``self.mem = y.detach()``, a recurrent memory),
+eager reads the new tensor on the next call and the program the old one forever (measured: off by 2.1
+on the second call). :meth:`ForwardState.check_constants` raises for those once the traced program's
+constants are known; a tensor attribute forward only writes (an activation kept for inspection, a
+weight a pre-hook recomputes from parameters) does not change what the program computes and passes.
+A parameter forward replaces by another object (``self.fc.weight = nn.Parameter(...)``) raises.
 
 Host random numbers too: a forward that draws from Python's ``random`` or ``numpy.random`` (a
 LayerDrop written ``if random.random() < p``) draws once, while traced, and the program keeps that one
@@ -34,7 +42,7 @@ import torch
 
 from .errors import ShardingError
 
-__all__ = ["forward_state_unchanged", "host_rngs_unchanged", "warn_traced_hooks"]
+__all__ = ["ForwardState", "forward_state_unchanged", "host_rngs_unchanged", "warn_traced_hooks"]
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 _SCALARS = (bool, int, float, complex, str, bytes, type(None))
@@ -56,6 +64,66 @@ def _fingerprint(value: Any) -> Any:
 def _snapshot(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
     return {(fqn, k): _fingerprint(v) for fqn, m in model.named_modules(remove_duplicate=True)
             for k, v in vars(m).items() if k not in _MODULE_INTERNALS}
+
+
+def _tensor_attrs(model: torch.nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+    """Plain tensor attributes of ``model`` and its submodules, and the tensors directly inside their
+    list/tuple/dict attributes (key ``(fqn, "mem")``, ``(fqn, "hist[0]")``); parameters keyed
+    ``(fqn, name, "param")``."""
+    found: dict[tuple, torch.Tensor] = {}
+    for fqn, m in model.named_modules(remove_duplicate=True):
+        for k, p in m._parameters.items():
+            if p is not None:
+                found[(fqn, k, "param")] = p
+        for k, v in vars(m).items():
+            if k in _MODULE_INTERNALS:
+                continue
+            if isinstance(v, torch.Tensor):
+                found[(fqn, k)] = v
+            elif isinstance(v, (list, tuple, dict)):
+                for i, e in (v.items() if isinstance(v, dict) else enumerate(v)):
+                    if isinstance(e, torch.Tensor):
+                        found[(fqn, f"{k}[{i!r}]")] = e
+    return found
+
+
+class ForwardState:
+    """What one traced forward replaced: tensors it swapped for others (see module doc)."""
+
+    def __init__(self) -> None:
+        self.replaced: dict[tuple[str, str], torch.Tensor] = {}
+
+    def record(self, before: dict[tuple, torch.Tensor], after: dict[tuple, torch.Tensor]) -> None:
+        for key, old in before.items():
+            new = after.get(key)
+            if new is None or new is old:
+                continue
+            if len(key) == 3:
+                raise ShardingError(
+                    f"the forward replaces parameter {_where(key[:2])!r} by another tensor while fxshard traced it "
+                    f"(e.g. self.weight = nn.Parameter(...)); the sharded program keeps computing with the sharded "
+                    f"parameter, while eager would use the new one from the next call on. Update the parameter in "
+                    f"place under torch.no_grad() outside forward (or in the optimizer step) instead")
+            self.replaced[key] = old
+
+    def check_constants(self, constants: dict[str, Any]) -> None:
+        """Requires: ``constants`` are the traced program's lifted constant tensors (``ep.constants``).
+        Ensures: no tensor the forward both read and replaced is among them, else a ShardingError."""
+        read = {id(c) for c in constants.values()}
+        for key, old in self.replaced.items():
+            if id(old) in read:
+                raise ShardingError(
+                    f"the forward reads the tensor attribute {_where(key)!r} and replaces it with a new tensor "
+                    f"while fxshard traced it; fxshard traces that tensor as a constant, so the sharded program "
+                    f"would read the value it had at shard() on every call while eager reads the tensor the "
+                    f"previous call stored (a recurrent memory, a running value). Register it as a buffer "
+                    f"(self.register_buffer({key[1].split('[')[0]!r}, ...), then assigning or updating it in "
+                    f"forward is traced as its update) or pass it in and return the new value")
+
+
+def _where(key: tuple[str, str]) -> str:
+    fqn, name = key
+    return f"{fqn}.{name}" if fqn else name
 
 
 def _show(fingerprint: Any) -> str:
@@ -101,8 +169,7 @@ def _check(before: dict, after: dict) -> None:
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)
         if old != new:
-            fqn, name = key
-            where = f"{fqn}.{name}" if fqn else name
+            where = _where(key)
             raise ShardingError(
                 f"the forward changes the model's Python attribute {where!r} (from {_show(old)} to {_show(new)} "
                 f"while fxshard traced it); fxshard runs the forward's Python code once, so the sharded program "
@@ -114,27 +181,33 @@ def _check(before: dict, after: dict) -> None:
 
 
 @contextlib.contextmanager
-def forward_state_unchanged(model: torch.nn.Module) -> Iterator[None]:
+def forward_state_unchanged(model: torch.nn.Module) -> Iterator[ForwardState]:
     """Requires: ``model``'s forward is called (through ``model(...)``) inside the block. Ensures: each
-    call leaves every plain attribute of ``model`` and its submodules comparing equal and the host
-    generators where they were (module doc), else it raises a ShardingError naming the attribute, its
-    values and the fix. Compared from the model's own forward hooks, as ``torch.export`` restores the
-    attributes after its trace."""
+    call leaves every plain attribute of ``model`` and its submodules comparing equal, every parameter
+    the same object and the host generators where they were (module doc), else it raises a
+    ShardingError naming the attribute, its values and the fix; the yielded :class:`ForwardState` holds
+    the tensor attributes replaced, for :meth:`ForwardState.check_constants` after the trace. Compared
+    from the model's own forward hooks, as ``torch.export`` restores the attributes after its trace."""
     before: dict = {}
+    tensors: dict = {}
     rngs: dict = {}
+    state = ForwardState()
 
     def pre(mod: torch.nn.Module, args: Any) -> None:
         before.clear()
         before.update(_snapshot(mod))
+        tensors.clear()
+        tensors.update(_tensor_attrs(mod))
         rngs.update(_host_rngs())
 
     def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
         _check_rngs(rngs, _host_rngs())
         _check(before, _snapshot(mod))
+        state.record(tensors, _tensor_attrs(mod))
 
     handles = (model.register_forward_pre_hook(pre, prepend=True), model.register_forward_hook(post))
     try:
-        yield
+        yield state
     finally:
         for h in handles:
             h.remove()

@@ -119,3 +119,97 @@ def test_forward_hooks_on_the_model_warn_that_they_run_at_trace_time(mesh2):
         sm = fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(2, 4),))
     sm(torch.randn(2, 4))
     assert len(seen) == 1  # the trace's call only: why it warns
+
+
+class _Memory(nn.Module):
+    """A recurrent memory kept in a plain tensor attribute (``in_list``: inside a list attribute), or in a
+    buffer: forward reads the previous call's value and stores the new one."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.where = where
+        if where == "buffer":
+            self.register_buffer("mem", torch.zeros(2, 4))
+        elif where == "list":
+            self.hist = [torch.zeros(2, 4)]
+        else:
+            self.mem = torch.zeros(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.net2(self.net1(x)) + (self.hist[0] if self.where == "list" else self.mem)
+        if self.where == "list":
+            self.hist[0] = y.detach()
+        else:
+            self.mem = y.detach()
+        return y
+
+
+@pytest.mark.parametrize("where, name", [("attribute", "mem"), ("list", "hist[0]")])
+def test_a_tensor_attribute_forward_reads_and_replaces_is_refused(mesh2, where, name):
+    """Measured before the check: the program kept the memory's value at shard() and was off by 2.1 on the
+    second call. Registered as a buffer it is carried as state and matches eager call after call."""
+    x = torch.randn(2, 4)
+    with pytest.raises(ShardingError, match=rf"reads the tensor attribute '{re.escape(name)}' and replaces it"
+                                            r".*Register it as a buffer"):
+        fxshard.shard(_Memory(where), mesh2, _PLAN, example_inputs=(x,))
+    model = _Memory("buffer")
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    for _ in range(3):
+        assert torch.equal(sm(x), ref(x))
+
+
+class _Stash(nn.Module):
+    """Keeps its last activation in a tensor attribute for inspection: never read by forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.last = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net1(x)
+        self.last = h.detach()
+        return self.net2(h)
+
+
+def test_a_tensor_attribute_forward_only_writes_or_a_pre_hook_recomputes_is_accepted(mesh2):
+    """Written but never read (an activation stash), or recomputed from parameters before every use
+    (hook-based weight_norm sets ``module.weight`` in a forward pre-hook): the program computes what eager
+    computes, so neither raises."""
+    import warnings
+
+    x = torch.randn(2, 4)
+    model = _Stash()
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    assert torch.equal(sm(x), ref(x))
+    model = _Cache()
+    model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weight_norm's deprecation, fxshard's traced-hook warning
+        model.net1 = torch.nn.utils.weight_norm(model.net1)
+        sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    with torch.no_grad():
+        want = model.net2(torch.nn.functional.linear(x, model.net1.weight_v * (
+            model.net1.weight_g / model.net1.weight_v.norm(dim=1, keepdim=True)), model.net1.bias)) * 0.5
+    assert torch.allclose(sm(x), want, atol=1e-6)
+
+
+class _SwapsParameter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.net2(self.net1(x))
+        self.net1.weight = nn.Parameter(self.net1.weight.detach() * 0.5)
+        return y
+
+
+def test_a_parameter_forward_replaces_is_refused(mesh2):
+    """Measured before the check: eager used the halved weight from the second call on, the program the
+    original (off by 0.81 on the second call)."""
+    with pytest.raises(ShardingError, match=r"forward replaces parameter 'net1.weight' by another tensor"):
+        fxshard.shard(_SwapsParameter(), mesh2, _PLAN, example_inputs=(torch.randn(2, 4),))

@@ -532,9 +532,11 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
                         "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on "
                         "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok():
         warn_traced_hooks(model)
-        with _boundary_hooks(model, boundaries), custom_gradients_checked(model), forward_state_unchanged(model):
+        with _boundary_hooks(model, boundaries), custom_gradients_checked(model), \
+                forward_state_unchanged(model) as state:
             ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                      strict=False)
+        state.check_constants(ep.constants)
         _mark_stop_gradients(ep.graph_module)
         gm, mutated = _decomposed(ep.graph_module, decomposition_table(lambda t: _STOP(t)))
 
