@@ -267,6 +267,14 @@ def _describe(spec: Any) -> str:
     return f"a {kind} of {spec.num_children} items"
 
 
+def _short(value: Any) -> str:
+    """``value`` for a message: a tensor by its shape and dtype, anything else by a repr of at most 80 chars."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)} ({value.dtype})"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _arg_name(args: tuple, kwargs: dict, pos: int) -> str:
     """``positional argument 0[1]`` / ``keyword argument 'mask'`` for flattened leaf ``pos`` of ``(args, kwargs)``."""
     path = pytree.tree_flatten_with_path((tuple(args), kwargs))[0][pos][0]
@@ -477,7 +485,7 @@ class ShardedModule(nn.Module):
         for pos, example in traced.constant_leaves.items():
             if not _same_constant(flat[pos], example):
                 raise ShardingError(
-                    f"{self._where}: {_arg_name(args, kwargs, pos)} is {flat[pos]!r}, but the module was sharded "
+                    f"{self._where}: {_arg_name(args, kwargs, pos)} is {_short(flat[pos])}, but the module was sharded "
                     f"with {example!r} there and the traced program computes with that value (torch.export "
                     f"specializes non-tensor arguments); pass {example!r}, pass the value as a tensor, or shard "
                     f"again with this value in example_inputs")

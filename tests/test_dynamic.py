@@ -178,3 +178,6 @@ def test_python_scalar_arguments_are_baked_in_and_checked_at_call_time(mesh2):
         sm(x, 2.0, relu=False)
     with pytest.raises(ShardingError, match=r"positional argument 1 is 2, but the module was sharded with 2.0"):
         sm(x, 2, relu=True)
+    with pytest.raises(ShardingError, match=r"positional argument 1 is a tensor of shape \[4, 8\] \(torch.float32\), "
+                                            r"but the module was sharded with 2.0"):
+        sm(x, x, relu=True)  # named by shape and dtype, not printed in full
