@@ -19,6 +19,7 @@ from .description import Sharding
 from .errors import ShardingError
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .inputs import InputCheck, check_no_autocast
+from .grad_guard import record_gradients, track_gradients
 from .optim_state import track_optimizers
 from .mesh import MeshInfo
 from .passes.trace import Traced
@@ -365,6 +366,7 @@ class ShardedModule(nn.Module):
         self.register_state_dict_post_hook(_state_dict_as_dtensors)
         self.register_load_state_dict_pre_hook(_state_dict_from_dtensors)
         track_optimizers(self)
+        track_gradients(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         _refuse_traced(self, name)
@@ -766,7 +768,9 @@ class ShardedModule(nn.Module):
         ``min(1, max_norm / (norm + 1e-6))``; with ``error_if_nonfinite`` a non-finite norm raises RuntimeError
         first, as torch's does."""
         self._reshard_fsdp()  # the gradients are the sharded parameters' (a forward may have gathered them)
-        return _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+        total = _clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
+        record_gradients(self, if_recorded=True)  # scaled as eager scales them: not a change grad_guard warns about
+        return total
 
     def full_state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
         """Full tensors under exactly the original ``model.state_dict()`` keys (a collective: call on all ranks).

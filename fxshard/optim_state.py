@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import ShardingError
+from .grad_guard import check_gradients
 from .optim_kinds import check_optimizer
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
@@ -55,6 +56,10 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = _params(optimizer)
+    held = {id(p) for p in params}
+    for sm in list(_MODULES):
+        if any(id(p) in held for p in sm.parameters()):
+            check_gradients(sm)
     if getattr(optimizer, _CHECKED, None) == len(params):  # checked, and no parameter added since
         return
     owners = _owners()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Callable
 
 import pytest
 import torch
 
 import fxshard
-from fxshard import ColwiseParallel, P, RowwiseParallel
+from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
@@ -181,7 +182,8 @@ def test_transformer_with_loss_inside_trains_like_unsharded():
 
 def _clipped(rank: int, world: int) -> dict:
     """SGD with gradients clipped to a norm they exceed: ``sm.clip_grad_norm_`` against torch's on the unsharded
-    model, for a tied Megatron transformer (split and replicated parameters) and an uneven split (33 = 17 + 16)."""
+    model, for a tied Megatron transformer (split and replicated parameters) and an uneven split (33 = 17 + 16), with
+    no fxshard warning; then torch's clip over ``sm.parameters()`` (``_torch_clip``)."""
     mesh = fxshard.init_mesh(tp=world)
     g = torch.Generator().manual_seed(7)
     cases = {
@@ -194,6 +196,14 @@ def _clipped(rank: int, world: int) -> dict:
                    lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), lambda b: b[:1]),
     }
     out = {}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _clip_cases(mesh, cases, out)
+    return {"cases": out, "torch_clip": _torch_clip(mesh, *cases["uneven"][:3]),
+            "warnings": [str(w.message) for w in seen if "fxshard" in str(w.message)]}
+
+
+def _clip_cases(mesh, cases: dict, out: dict) -> None:
     for name, (model, plan, batches, loss_fn, example) in cases.items():
         for norm_type in (2.0, float("inf")):
             ref = copy.deepcopy(model)
@@ -210,15 +220,51 @@ def _clipped(rank: int, world: int) -> dict:
                     o.step()
                 norms.append(pair)
             out[f"{name} p={norm_type}"] = {"norms": norms, "param_err": _max_param_diff(sm.full_state_dict(), ref)}
-    return out
+
+
+def _torch_clip(mesh, model, plan, batches) -> dict:
+    """torch's clip_grad_norm_ over ``sm.parameters()``: each rank's norm of its own pieces. Clipping to 0.05
+    (measured: rank norms differ) must raise at the optimizer step before any update; with a bound no rank reaches it
+    warns once that gradients changed in place, and trains like eager (nothing was clipped)."""
+    loss = lambda m: torch.nn.functional.mse_loss(m(batches[0][0]), batches[0][1])  # noqa: E731
+    res = {}
+    for bound in (0.05, 1e6):
+        ref = copy.deepcopy(model)
+        sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batches[0][:1])
+        before = sm.full_state_dict()
+        opt, opt_ref = torch.optim.SGD(sm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                for _ in range(2):
+                    for m, o in ((sm, opt), (ref, opt_ref)):
+                        o.zero_grad()
+                        loss(m).backward()
+                        torch.nn.utils.clip_grad_norm_(m.parameters(), bound)
+                        o.step()
+                err = None
+            except ShardingError as e:
+                err = str(e)
+        after = sm.full_state_dict()
+        res[bound] = {"err": err, "warnings": [str(w.message) for w in seen if "fxshard" in str(w.message)],
+                      "untouched": max((after[k] - v).abs().max().item() for k, v in before.items()),
+                      "param_err": _max_param_diff(after, ref)}
+    return res
 
 
 def test_clip_grad_norm_clips_by_the_norm_of_the_full_gradients():
     for res in run_ranks(_clipped, 2):
-        for case, r in res.items():
+        for case, r in res["cases"].items():
             assert all(ref > 0.05 for ref, _ in r["norms"]), (case, r)  # clipping is active every step
             assert all(abs(a - b) <= 1e-5 * a for a, b in r["norms"]), (case, r)
             assert r["param_err"] <= TOL, (case, r)
+        assert res["warnings"] == [], res["warnings"]  # sm.clip_grad_norm_ is not a change to warn about
+        clipped, unclipped = res["torch_clip"][0.05], res["torch_clip"][1e6]
+        assert clipped["err"] is not None and "net2.bias.grad (rank" in clipped["err"], clipped
+        assert "use sm.clip_grad_norm_(max_norm)" in clipped["err"] and clipped["untouched"] == 0.0, clipped
+        assert unclipped["err"] is None and unclipped["param_err"] <= TOL, unclipped
+        assert len(unclipped["warnings"]) == 1 and "were changed in place after the backward" in \
+            unclipped["warnings"][0], unclipped
 
 
 def _dynamic_batch_train(rank: int, world: int) -> dict:

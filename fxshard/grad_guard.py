@@ -1,0 +1,108 @@
+"""Gradients changed in place between a ShardedModule's backward and the optimizer step.
+
+A rank holds pieces of split gradients, so code written for whole gradients gives each rank its
+own answer when it runs on ``sm.parameters()``. The common case is
+``torch.nn.utils.clip_grad_norm_(sm.parameters(), max_norm)``: each rank computes the norm of its
+own pieces and scales its gradients by its own factor. Where ranks end up with different factors,
+the gradients of replicated parameters differ between ranks and the replicas drift apart from the
+first step on; where none of them clips while the full gradient's norm is above ``max_norm``, every
+rank skips the clipping eager would do. ``sm.clip_grad_norm_`` is the collective that clips as eager.
+
+What is checked: the end of every backward records each gradient's tensor and version
+(``track_gradients``: a post-accumulate-grad hook on each local parameter queues one autograd-engine
+callback, which runs after every other callback of that backward, DDP's gradient copies included).
+At the next optimizer step over the module's parameters, :func:`check_gradients` compares: when some
+gradient was changed in place or replaced since, and not by ``sm.clip_grad_norm_``, it warns once per
+module (fxshard cannot tell what the change was), and compares the gradients of replicated parameters
+across the ranks they are replicated on (a checksum each; ``replicas.check_replicas``): a difference
+raises a ShardingError before the optimizer updates anything. Nothing is compared, and no collective
+runs, on steps whose gradients are exactly what the backward left.
+
+Requires: every rank of the mesh changes its gradients the same way (SPMD code), since the
+comparison is a collective. Not checked: modules under FSDP2 (their gradients are FSDP2's).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from .replicas import check_replicas
+
+__all__ = ["track_gradients", "record_gradients", "check_gradients"]
+
+_RECORD = "_fxshard_grad_record"  # on a ShardedModule: {fqn: (weakref of the gradient, its version)} or None
+_QUEUED = "_fxshard_grad_queued"  # on a ShardedModule: a callback is queued for the running backward
+_WARNED = "_fxshard_grad_warned"  # on a ShardedModule: the in-place warning was given
+
+_WHY = ("something changed the gradients in place after the backward, per rank (torch.nn.utils.clip_grad_norm_"
+        "(sm.parameters(), ...) computes each rank's norm over only its pieces of split gradients and scales each "
+        "rank by its own factor); use sm.clip_grad_norm_(max_norm), which clips by the norm of the full gradients "
+        "on every rank, and compute any other per-gradient statistic over the full gradients")
+
+
+def record_gradients(sm: Any, *, if_recorded: bool = False) -> None:
+    """Ensures: ``sm``'s record holds each local parameter's gradient tensor and version as they are now (with
+    ``if_recorded``, only when a backward's record is pending)."""
+    if if_recorded and not sm.__dict__.get(_RECORD):
+        return
+    sm.__dict__[_RECORD] = {fqn: (weakref.ref(p.grad), p.grad._version)
+                            for fqn, p in sm.named_parameters() if p.grad is not None}
+
+
+def track_gradients(sm: Any) -> None:
+    """Requires: ``sm``'s local parameters are registered. Ensures: the end of every backward that gives one of
+    them a gradient calls :func:`record_gradients` (module doc)."""
+    ref = weakref.ref(sm)
+
+    def after_backward(last: bool) -> None:
+        mod = ref()
+        if mod is None:
+            return
+        if not last:  # queued again: runs after the callbacks this backward queued later (DDP's)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: after_backward(True))
+            return
+        mod.__dict__[_QUEUED] = False
+        record_gradients(mod)
+
+    def accumulated(p: torch.Tensor) -> None:
+        mod = ref()
+        if mod is not None and not mod.__dict__.get(_QUEUED):
+            mod.__dict__[_QUEUED] = True
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: after_backward(False))
+
+    seen: set[int] = set()
+    for p in sm.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            p.register_post_accumulate_grad_hook(accumulated)
+
+
+def check_gradients(sm: Any) -> None:
+    """Requires: called at an optimizer step over ``sm``'s parameters, on every rank. Ensures: when some gradient
+    changed since the last backward's record (other than by ``sm.clip_grad_norm_``), a warning once per module,
+    and a ShardingError if the gradients of replicated parameters differ between ranks (module doc). Consumes
+    the record: a second step without a backward compares nothing."""
+    record = sm.__dict__.get(_RECORD)
+    if not record:
+        return
+    sm.__dict__[_RECORD] = None
+    grads = {fqn: p.grad for fqn, p in sm.named_parameters() if p.grad is not None}
+    changed = [fqn for fqn, g in grads.items()
+               if fqn not in record or record[fqn][0]() is not g or record[fqn][1] != g._version]
+    if not changed:
+        return
+    if not sm.__dict__.get(_WARNED):
+        sm.__dict__[_WARNED] = True
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        warnings.warn(
+            f"fxshard: the gradients of {', '.join(changed[:3])}{more} in {sm._where} were changed in place after "
+            f"the backward, outside fxshard. Each rank holds only its pieces of split gradients, so a statistic "
+            f"over a whole gradient (a norm, a max) computed on them is this rank's, not the model's: use "
+            f"sm.clip_grad_norm_(max_norm) rather than torch.nn.utils.clip_grad_norm_(sm.parameters(), ...). "
+            f"fxshard now compares the replicated gradients across ranks at each such step", stacklevel=4)
+    check_replicas({f"{fqn}.grad": g for fqn, g in grads.items()}, {f"{fqn}.grad": sm._placements[fqn] for fqn in grads},
+                   sm._mesh, _WHY)
