@@ -8,6 +8,7 @@ plan, and on 2 real gloo ranks for its numbers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import re
 import warnings
@@ -266,3 +267,28 @@ def test_a_group_cut_in_a_reshape_the_backward_makes_names_the_specs_not_a_proje
         fxshard.shard(_FlatHead(), mesh2, {}, example_inputs=(torch.randn(3, 6, 8),), out_specs=fxshard.P("tp", None))
     msg = str(err.value)
     assert "no line of the model" in msg and "out_specs" in msg and "ColwiseParallel" not in msg, msg
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(16, 8, sparse=True), nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids))
+
+
+@pytest.mark.parametrize("style", [RowwiseParallel(), ColwiseParallel()])
+def test_a_split_embedding_with_sparse_gradients_is_refused_at_shard(mesh2, style):
+    """nn.Embedding(sparse=True) builds its gradient as a sparse COO tensor: split, its backward failed at the
+    first call with aten::as_strided's NotImplementedError for SparseCPU. shard() now names the cause; kept
+    replicated, the sparse gradient is eager's."""
+    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ShardingError, match=r"torch.sparse_coo tensor .* nn.Embedding\(sparse=True\).* pass sparse=False"):
+        fxshard.shard(_SparseEmbedding(), mesh2, {"emb": style}, example_inputs=(ids,))
+    model = _SparseEmbedding()
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(ids,))
+    sm(ids).pow(2).sum().backward()
+    model(ids).pow(2).sum().backward()
+    assert sm.emb.weight.grad.is_sparse
+    torch.testing.assert_close(sm.emb.weight.grad.to_dense(), model.emb.weight.grad.to_dense(), rtol=0, atol=1e-6)

@@ -16,6 +16,7 @@ import torch.fx as fx
 from ..collectives import Emitter, redistribute_nodes
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
+from ..errors import ShardingError
 from ..registry import tensor_inputs
 from ..ir import IN_KEY, META_KEY, source_line
 from ..spec import fmt_placements
@@ -49,6 +50,7 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
                     "dst": fmt_placements(want),
                     "graph": ctx.label,
                 }
+                _dense_only(inp, reason)
                 new = redistribute_nodes(Emitter(g, node, reason), inp, spec, want, ctx.mesh)
                 if new is not inp:  # the value's global meaning is unchanged; only its layout is
                     new.meta["val"] = inp.meta["val"]
@@ -62,6 +64,20 @@ def redistribute(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             _replace_inputs(node, ins, remap)
     gm.recompile()
     return gm
+
+
+def _dense_only(inp: fx.Node, reason: dict) -> None:
+    """Requires: ``inp`` is about to change placements. Ensures: it is a dense (strided) tensor, else a
+    ShardingError: the collectives and slices that change a layout do not take sparse tensors."""
+    layout = getattr(inp.meta.get("val"), "layout", torch.strided)
+    if layout != torch.strided:
+        raise ShardingError(
+            f"{inp.name} is a {layout} tensor (from {reason['source'] or 'the traced graph'}) that would have to go "
+            f"from {reason['src']} to {reason['dst']} for {reason['op']} in the {reason['graph']} graph, but fxshard "
+            f"moves and slices only dense tensors. The usual cause is nn.Embedding(sparse=True) (or "
+            f"F.embedding(..., sparse=True)) with a split weight, whose gradient is built sparse: pass "
+            f"sparse=False (a split embedding's gradient holds only this rank's rows anyway), or leave that weight "
+            f"replicated in the plan")
 
 
 def _in_traced_order(g: fx.Graph, x: fx.Node, traced: fx.Node) -> fx.Node:
