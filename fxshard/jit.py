@@ -43,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from .captured import Captured, captured_scalars, check_captured
 from .comm_errors import run_program
 from .consistency import check_generators_agree
 from .constrain import constraint_scope
@@ -92,6 +93,7 @@ class _Compiled:
     out_tree: Any
     tree: Any = None  # the input signature it was traced for
     leaves: Sequence[_Leaf] = ()
+    captured: Sequence[Captured] = ()  # the Python scalars fn read by name, as they were when traced
 
 
 def _functionalized(gm: fx.GraphModule, fakes: list[torch.Tensor]) -> fx.GraphModule:
@@ -246,8 +248,10 @@ class ShardedFunction:
             "input signature": repr([(l.path, l.global_shape, str(l.dtype)) if l.is_tensor else (l.path, l.value)
                                      for l in leaves]),
         })
+        captured = captured_scalars(self._fn)
         with constraint_scope(functional=True) as recorded:
             gm, out_tree = self._trace(leaves, tree, runtime_device(ShardContext(mesh=info)))
+        check_captured(captured, f"fxshard.jit({self.__name__}): while traced, {self.__name__}", changed_by_fn=True)
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         seeds = {}
         for node, leaf in zip(placeholders, [l for l in leaves if l.is_tensor]):
@@ -259,7 +263,7 @@ class ShardedFunction:
         ctx = context_for(gm, info, seeds, out_required, recorded, planner=self._planner)
         gm = self._pipeline(gm, ctx)
         check_generators_agree(info, f"{self.__name__}'s sharded program", [gm])
-        return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree, tree, leaves)
+        return _Compiled(Program(gm, "forward", list(ctx.fallbacks)), out_tree, tree, leaves, captured)
 
     def _trace(self, leaves: list[_Leaf], tree: Any, device: torch.device) -> tuple[fx.GraphModule, Any]:
         fn = self._fn
@@ -353,6 +357,7 @@ class ShardedFunction:
             self._check_not_global(leaves, tree)
             comp = self._cache[key] = self._compile(leaves, tree)
         self._last = comp
+        check_captured(comp.captured, f"fxshard.jit({self.__name__}): {self.__name__}")
         tensors = [x for x, l in zip(flat, leaves) if l.is_tensor]
         if key not in self._values_checked:
             check_replicated_values(tensors, [l.pls for l in leaves if l.is_tensor],

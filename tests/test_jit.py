@@ -316,3 +316,64 @@ def test_meta_example_inputs_trace_ahead_of_time_and_explain(mesh2):
     loss, new = sf(_local(params, specs, mesh2), batch)  # the traced program serves local calls
     assert len(sf._cache) == 1 and loss.shape == () and new["net1.weight"].shape == (16, 16)
     assert new["net2.weight"].shape == (16, 16) and new["net2.bias"].shape == (16,)
+
+
+_LR = 0.5  # read by _scaled_step through a helper, as a module-level learning rate would be
+_CALLS = 0
+
+
+def _lr() -> float:
+    return _LR
+
+
+def _scaled_step(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return w - _lr() * g
+
+
+def _counting_step(w: torch.Tensor) -> torch.Tensor:
+    global _CALLS
+    _CALLS += 1
+    return w * _CALLS
+
+
+def _schedule() -> tuple[Callable, Callable]:
+    lr = 0.5
+
+    def step(w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return w - lr * g
+
+    def decay() -> None:
+        nonlocal lr
+        lr = lr / 2
+
+    return step, decay
+
+
+def test_python_scalars_read_from_globals_or_closures_are_checked_at_every_call(mesh2):
+    """Measured before the check: after a module-level learning rate went from 0.5 to 0.1 the program kept 0.5
+    (eager 0.4 against -0.5 per element), silently; as jax.jit does. Now the call raises and names the variable,
+    the function that reads it and both values; back at the traced value it runs again. The same for a closure
+    variable a schedule changes with ``nonlocal``; a function that changes a global while traced is refused."""
+    global _LR, _CALLS
+    _CALLS = 0
+    w, g = torch.ones(4), torch.full((4,), 3.0)
+    sf = fxshard.jit(_scaled_step, mesh2)
+    assert torch.equal(sf(w, g), _scaled_step(w, g))
+    try:
+        _LR = 0.1
+        with pytest.raises(fxshard.ShardingError, match=r"reads the global '_LR' \(in _lr\), which was 0.5 when it "
+                                                        r"was traced and is 0.1 now.*Pass the value as an argument"):
+            sf(w, g)
+    finally:
+        _LR = 0.5
+    assert torch.equal(sf(w, g), _scaled_step(w, g))
+    step, decay = _schedule()
+    sf = fxshard.jit(step, mesh2)
+    assert torch.equal(sf(w, g), step(w, g))
+    decay()
+    with pytest.raises(fxshard.ShardingError, match=r"reads the closure variable 'lr' \(in _schedule.<locals>.step\), "
+                                                    r"which was 0.5 when it was traced and is 0.25 now"):
+        sf(w, g)
+    with pytest.raises(fxshard.ShardingError, match=r"while traced, _counting_step changed the global '_CALLS' "
+                                                    r"\(in _counting_step\) from 0 to 1.*must be pure"):
+        fxshard.jit(_counting_step, mesh2)(w)
