@@ -27,6 +27,7 @@ from .inputs import InputCheck, check_no_autocast
 from .mesh import MeshInfo
 from .checkpoint import take
 from .errors import ShardingError
+from .captured import check_captured, forward_scalars
 from .module import Program, Programs, ShardedModule, Training
 from .replicas import check_replicas, communicates, from_source, sentinel
 from .context import runtime_device
@@ -147,8 +148,10 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
                    bucket_mb, planner, remat, auto, budget)
+    captured = forward_scalars(model)
     for attempt in range(RETRIES + 1):
         progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
+        check_captured(captured, f"{type(model).__name__}'s forward, while traced,", changed_by_fn=True)
         keep = req
         if report is not None:  # sharding again for other modes keeps the chosen plan
             keep = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,
@@ -160,7 +163,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                            modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
                            reshard=None if getattr(model, "fxshard_fixed_modes", False)
                            else _resharder(model, info, keep, placements, say, dict(progs.traced.constants)),
-                           auto=report)
+                           auto=report, captured=captured)
         if report is None:
             break
         sm._auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)

@@ -1,4 +1,4 @@
-"""Python values a jitted function reads from outside its arguments, and the check that they stay put.
+"""Python values traced code reads from outside its arguments, and the check that they stay put.
 
 ``fxshard.jit`` runs the function's Python code once per traced signature; a Python number it reads
 from a global or a closure (``p - LR * g`` with a module-level ``LR``) is baked into the program as
@@ -12,7 +12,8 @@ functions), following the Python functions it reads that way when they are defin
 module. Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
 functions, config objects) are not compared, nor are the attributes read from them.
 :func:`check_captured` compares them at each call and raises a ShardingError naming the first one that
-changed.
+changed. ``fxshard.shard`` does the same for the ``forward`` of the model's own module classes
+(:func:`forward_scalars`; torch's are left out): a module-level ``TEMPERATURE`` a forward divides by.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 from .errors import ShardingError
 
-__all__ = ["Captured", "captured_scalars", "check_captured"]
+__all__ = ["Captured", "captured_scalars", "check_captured", "forward_scalars"]
 
 _SCALARS = (bool, int, float, complex, str, type(None))
 _MISSING = object()
@@ -101,10 +102,27 @@ def captured_scalars(fn: Callable) -> list[Captured]:
     return list(found.values())
 
 
-def check_captured(captured: Sequence[Captured], what: str, changed_by_fn: bool = False) -> None:
+def forward_scalars(model: Any) -> list[Captured]:
+    """:func:`captured_scalars` of the ``forward`` of every module class in ``model`` (an ``nn.Module``) that is
+    not torch's or fxshard's own, without repeats."""
+    found: dict[tuple[int, str], Captured] = {}
+    classes = {type(m) for m in model.modules()}
+    for cls in sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
+        if cls.__module__.split(".")[0] in ("torch", "fxshard"):
+            continue
+        for c in captured_scalars(cls.forward):
+            found.setdefault((id(c.where), c.name), c)
+    return list(found.values())
+
+
+_JIT_FIX = ("Pass the value as an argument: a tensor changes without tracing again, a Python scalar argument "
+            "traces once per distinct value")
+
+
+def check_captured(captured: Sequence[Captured], what: str, changed_by_fn: bool = False, fix: str = _JIT_FIX) -> None:
     """Requires: ``captured`` from :func:`captured_scalars` before the trace. Ensures: each still holds the
-    value it had then, else a ShardingError naming it, both values and the fix (``changed_by_fn``: the check
-    right after the trace, so the function itself changed it)."""
+    value it had then, else a ShardingError naming it, both values and ``fix`` (``changed_by_fn``: the check
+    right after the trace, so the traced code itself changed it)."""
     for c in captured:
         now = c.now()
         if _same(now, c.value):
@@ -112,12 +130,10 @@ def check_captured(captured: Sequence[Captured], what: str, changed_by_fn: bool 
         shown = "deleted" if now is _MISSING else repr(now)
         if changed_by_fn:
             raise ShardingError(
-                f"{what} changed the {c.kind} {c.name!r} (in {c.reader}) from {c.value!r} to {shown}; fxshard.jit runs the "
-                f"function's Python code once per traced signature, so the program would never change it again. "
-                f"A jitted function must be pure: return the new value instead")
+                f"{what} changed the {c.kind} {c.name!r} (in {c.reader}) from {c.value!r} to {shown}; fxshard runs "
+                f"that Python code once, while tracing, so the program would never change it again. Keep the "
+                f"code pure: return the new value instead")
         raise ShardingError(
             f"{what} reads the {c.kind} {c.name!r} (in {c.reader}), which was {c.value!r} when it was traced and is {shown} now; "
-            f"the program computes with {c.value!r} (tracing bakes in Python values it reads, as jax.jit does), so "
-            f"it would no longer match the function. Pass the value as an argument: a tensor "
-            f"(torch.tensor({c.name.lower()})) changes without tracing again, a Python scalar argument traces "
-            f"once per distinct value")
+            f"the program computes with {c.value!r} (tracing bakes in the Python values it reads), so "
+            f"it would no longer match eager. {fix}")

@@ -19,6 +19,7 @@ from .description import Sharding
 from .errors import ShardingError
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .inputs import InputCheck, check_no_autocast
+from .captured import Captured, check_captured
 from .grad_guard import record_gradients, track_gradients
 from .optim_state import track_optimizers
 from .mesh import MeshInfo
@@ -268,6 +269,10 @@ def _describe(spec: Any) -> str:
     return f"a {kind} of {spec.num_children} items"
 
 
+_MODULE_FIX = ("Pass the value to forward as a tensor input, keep it in a buffer, or shard the model again after "
+               "changing it")
+
+
 def _short(value: Any) -> str:
     """``value`` for a message: a tensor by its shape and dtype, anything else by a repr of at most 80 chars."""
     if isinstance(value, torch.Tensor):
@@ -316,8 +321,9 @@ class ShardedModule(nn.Module):
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
                  modules: Sequence[tuple[str, type, bool, str, frozenset[str]]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None, auto: Any = None,
-                 src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = ()):
+                 src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = (), captured: Sequence[Captured] = ()):
         super().__init__()
+        self._captured = tuple(captured)  # Python scalars the model's forward code read when traced
         self._mesh = mesh
         self._info = info
         self._placements = placements
@@ -566,6 +572,7 @@ class ShardedModule(nn.Module):
         FSDP2 each call first frees whatever an earlier forward left gathered (``_reshard_fsdp``), so a
         forward computes with the sharded parameters' current values."""
         check_no_autocast(f"{self._where} was called", self._mesh.device_type)
+        check_captured(self._captured, f"{self._where}: the forward", fix=_MODULE_FIX)
         progs = self._for_mode()
         self._check_filled()
         fsdp = self._fsdp_scopes()

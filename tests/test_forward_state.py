@@ -213,3 +213,48 @@ def test_a_parameter_forward_replaces_is_refused(mesh2):
     original (off by 0.81 on the second call)."""
     with pytest.raises(ShardingError, match=r"forward replaces parameter 'net1.weight' by another tensor"):
         fxshard.shard(_SwapsParameter(), mesh2, _PLAN, example_inputs=(torch.randn(2, 4),))
+
+
+_TEMPERATURE = 2.0  # a module-level setting a forward reads
+_TRACED = 0
+
+
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.net1(x)) / _TEMPERATURE
+
+
+class _CountsGlobally(_Tempered):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        global _TRACED
+        _TRACED += 1
+        return self.net2(self.net1(x)) * _TRACED
+
+
+def test_a_global_setting_the_forward_reads_is_checked_at_every_call(mesh2):
+    """The program keeps the value a module-level number had when traced (measured before the check: 2.0 kept
+    after it became 4.0, silently). A call after it changed raises naming it; back at the traced value the module
+    runs again. A forward that changes a global while traced is refused at shard()."""
+    global _TEMPERATURE, _TRACED
+    x = torch.randn(2, 4)
+    model = _Tempered()
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    assert torch.equal(sm(x), ref(x))
+    try:
+        _TEMPERATURE = 4.0
+        with pytest.raises(ShardingError, match=r"ShardedModule\(_Tempered\): the forward reads the global "
+                                                r"'_TEMPERATURE' \(in _Tempered.forward\), which was 2.0 when it was "
+                                                r"traced and is 4.0 now.*shard the model again"):
+            sm(x)
+    finally:
+        _TEMPERATURE = 2.0
+    assert torch.equal(sm(x), ref(x))
+    _TRACED = 0
+    with pytest.raises(ShardingError, match=r"changed the global '_TRACED' \(in _CountsGlobally.forward\) from 0 "
+                                            r"to 1"):
+        fxshard.shard(_CountsGlobally(), mesh2, {}, example_inputs=(x,))
