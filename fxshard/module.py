@@ -374,6 +374,13 @@ class ShardedModule(nn.Module):
         track_optimizers(self)
         track_gradients(self)
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy(sm)``, a pickle loaded) is tracked like the original: its optimizers present
+        their state as DTensors and its gradients are checked at their steps (``__init__`` does not run)."""
+        super().__setstate__(state)
+        track_optimizers(self)
+        track_gradients(self)
+
     def __setattr__(self, name: str, value: Any) -> None:
         _refuse_traced(self, name)
         super().__setattr__(name, value)

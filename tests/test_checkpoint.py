@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import tempfile
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
@@ -207,3 +208,21 @@ def test_an_optimizer_given_the_modules_parameters_later_presents_their_state_as
     state = opt.state_dict()["state"]
     assert not isinstance(state[0]["exp_avg"], DTensor)
     assert isinstance(state[1]["exp_avg"], DTensor) and state[1]["exp_avg"].shape == (6, 4)
+
+
+def test_a_deep_copy_of_the_module_is_tracked_like_the_original(mesh2):
+    """``copy.deepcopy(sm)`` (a second model to train, an EMA copy) does not run ``__init__``: before, its optimizer
+    saved plain local pieces (which DCP takes for replicated copies, keeping one rank's) and its gradients were
+    never checked. Both now hold for the copy too."""
+    import copy
+
+    sm = fxshard.shard(torch.nn.Sequential(torch.nn.Linear(4, 6)), mesh2, {"0": fxshard.ColwiseParallel()},
+                       example_inputs=(torch.randn(3, 4),))
+    twin = copy.deepcopy(sm)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    twin(torch.randn(3, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(twin.parameters(), 1e9)  # this rank's norm: the step warns
+    with pytest.warns(UserWarning, match=r"were changed in place after the backward"):
+        opt.step()
+    exp_avg = opt.state_dict()["state"][0]["exp_avg"]
+    assert isinstance(exp_avg, DTensor) and exp_avg.shape == (6, 4)
