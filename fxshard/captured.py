@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dis
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .errors import ShardingError
@@ -46,8 +46,17 @@ class Captured:
     name: str
     kind: str  # "global" or "closure variable"
     reader: str  # the qualified name of the function that reads it
-    where: Any  # the function's globals dict, or the closure cell
+    where: Any = field(repr=False, compare=False)  # the function's globals dict, or the closure cell
     value: Any
+
+    def __deepcopy__(self, memo: dict) -> "Captured":
+        return self  # it refers to the live variable: a copied module checks the same one
+
+    def __reduce__(self) -> tuple:
+        """Pickled by reference: a global by its module's name, a closure variable as its value at trace time."""
+        if self.kind == "global":
+            return _global, (self.where.get("__name__"), self.name, self.reader, self.value)
+        return Captured, (self.name, self.kind, self.reader, _Kept(self.value), self.value)
 
     def now(self) -> Any:
         if self.kind == "global":
@@ -56,6 +65,19 @@ class Captured:
             return self.where.cell_contents
         except ValueError:  # an empty cell
             return _MISSING
+
+
+class _Kept:
+    """A closure variable after unpickling: its value at trace time, which no code can change."""
+
+    def __init__(self, value: Any) -> None:
+        self.cell_contents = value
+
+
+def _global(module: str, name: str, reader: str, value: Any) -> Captured:
+    import importlib
+
+    return Captured(name, "global", reader, vars(importlib.import_module(module)), value)
 
 
 def _codes(code: types.CodeType):

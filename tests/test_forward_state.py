@@ -245,12 +245,14 @@ def test_a_global_setting_the_forward_reads_is_checked_at_every_call(mesh2):
     ref = copy.deepcopy(model)
     sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
     assert torch.equal(sm(x), ref(x))
+    twin = copy.deepcopy(sm)  # checks the same live variable (the check must not copy the module's globals)
     try:
         _TEMPERATURE = 4.0
-        with pytest.raises(ShardingError, match=r"ShardedModule\(_Tempered\): the forward reads the global "
-                                                r"'_TEMPERATURE' \(in _Tempered.forward\), which was 2.0 when it was "
-                                                r"traced and is 4.0 now.*shard the model again"):
-            sm(x)
+        for m in (sm, twin):
+            with pytest.raises(ShardingError, match=r"ShardedModule\(_Tempered\): the forward reads the global "
+                                                    r"'_TEMPERATURE' \(in _Tempered.forward\), which was 2.0 when it "
+                                                    r"was traced and is 4.0 now.*shard the model again"):
+                m(x)
     finally:
         _TEMPERATURE = 2.0
     assert torch.equal(sm(x), ref(x))

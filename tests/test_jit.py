@@ -7,6 +7,7 @@ error tests run on the fake process group.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable
 
 import pytest
@@ -16,6 +17,7 @@ from torch.func import functional_call, grad_and_value
 
 import fxshard
 from fxshard import P, Shard
+from fxshard.captured import captured_scalars, check_captured
 from fxshard.inspect import collectives
 from fxshard.mesh import MeshInfo
 from fxshard.module import local_slice
@@ -359,11 +361,14 @@ def test_python_scalars_read_from_globals_or_closures_are_checked_at_every_call(
     w, g = torch.ones(4), torch.full((4,), 3.0)
     sf = fxshard.jit(_scaled_step, mesh2)
     assert torch.equal(sf(w, g), _scaled_step(w, g))
+    kept = pickle.loads(pickle.dumps(captured_scalars(_scaled_step)))  # pickled by reference to the live global
     try:
         _LR = 0.1
         with pytest.raises(fxshard.ShardingError, match=r"reads the global '_LR' \(in _lr\), which was 0.5 when it "
                                                         r"was traced and is 0.1 now.*Pass the value as an argument"):
             sf(w, g)
+        with pytest.raises(fxshard.ShardingError, match=r"reads the global '_LR'"):
+            check_captured(kept, "the unpickled record")
     finally:
         _LR = 0.5
     assert torch.equal(sf(w, g), _scaled_step(w, g))
@@ -375,5 +380,5 @@ def test_python_scalars_read_from_globals_or_closures_are_checked_at_every_call(
                                                     r"which was 0.5 when it was traced and is 0.25 now"):
         sf(w, g)
     with pytest.raises(fxshard.ShardingError, match=r"while traced, _counting_step changed the global '_CALLS' "
-                                                    r"\(in _counting_step\) from 0 to 1.*must be pure"):
+                                                    r"\(in _counting_step\) from 0 to 1.*Keep the code pure"):
         fxshard.jit(_counting_step, mesh2)(w)
