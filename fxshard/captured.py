@@ -9,7 +9,7 @@ what eager computes from the next call on, and nothing under fxshard: measured, 
 :func:`captured_scalars` lists the scalars a function reads by name: the globals (``LOAD_GLOBAL``)
 and closure variables (``LOAD_DEREF``) of its code and of the code nested in it (lambdas, inner
 functions), following the Python functions it reads that way when they are defined in the same
-module. Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
+module; decorators (``functools.wraps``) are looked through to the function they wrap. Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
 functions, config objects) are not compared, nor are the attributes read from them.
 :func:`check_captured` compares them at each call and raises a ShardingError naming the first one that
 changed. ``fxshard.shard`` does the same for the ``forward`` of the model's own module classes
@@ -19,6 +19,7 @@ changed. ``fxshard.shard`` does the same for the ``forward`` of the model's own 
 from __future__ import annotations
 
 import dis
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -80,6 +81,14 @@ def _global(module: str, name: str, reader: str, value: Any) -> Captured:
     return Captured(name, "global", reader, vars(importlib.import_module(module)), value)
 
 
+def _unwrapped(f: Any) -> Any:
+    """``f`` without the ``functools.wraps`` layers of decorators (``__wrapped__``)."""
+    try:
+        return inspect.unwrap(getattr(f, "__func__", f))
+    except ValueError:  # a cycle of __wrapped__
+        return f
+
+
 def _codes(code: types.CodeType):
     yield code
     for c in code.co_consts:
@@ -92,10 +101,10 @@ def captured_scalars(fn: Callable) -> list[Captured]:
     global or closure variable ``fn`` reads by name, with its value now (module doc)."""
     found: dict[tuple[int, str], Captured] = {}
     seen: set[int] = set()
-    module = getattr(fn, "__module__", None)
+    module = getattr(_unwrapped(fn), "__module__", None)
 
     def visit(f: Any) -> None:
-        f = getattr(f, "__func__", f)  # bound methods
+        f = _unwrapped(f)  # bound methods, and decorators (functools.wraps): read what they wrap
         code = getattr(f, "__code__", None)
         if not isinstance(code, types.CodeType) or id(f) in seen:
             return
@@ -117,7 +126,7 @@ def captured_scalars(fn: Callable) -> list[Captured]:
                     continue
                 if _scalar(value):
                     found.setdefault((id(where), name), Captured(name, kind, f.__qualname__, where, value))
-                elif isinstance(value, types.FunctionType) and value.__module__ == module:
+                elif isinstance(value, types.FunctionType) and _unwrapped(value).__module__ == module:
                     visit(value)
 
     visit(fn)
@@ -125,14 +134,14 @@ def captured_scalars(fn: Callable) -> list[Captured]:
 
 
 def forward_scalars(model: Any) -> list[Captured]:
-    """:func:`captured_scalars` of the ``forward`` of every module class in ``model`` (an ``nn.Module``) that is
-    not torch's or fxshard's own, without repeats."""
+    """:func:`captured_scalars` of the ``forward`` each module class in ``model`` (an ``nn.Module``) and its base
+    classes define, torch's and fxshard's left out, without repeats."""
     found: dict[tuple[int, str], Captured] = {}
-    classes = {type(m) for m in model.modules()}
+    classes = {base for m in model.modules() for base in type(m).__mro__}  # a forward may call super().forward
     for cls in sorted(classes, key=lambda c: f"{c.__module__}.{c.__qualname__}"):
-        if cls.__module__.split(".")[0] in ("torch", "fxshard"):
+        if cls.__module__.split(".")[0] in ("torch", "fxshard", "builtins") or "forward" not in vars(cls):
             continue
-        for c in captured_scalars(cls.forward):
+        for c in captured_scalars(vars(cls)["forward"]):
             found.setdefault((id(c.where), c.name), c)
     return list(found.values())
 

@@ -9,6 +9,7 @@ Python's ``random`` kept the traced draw for every call. Fake process group.
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import re
 
@@ -228,6 +229,20 @@ class _Tempered(nn.Module):
         return self.net2(self.net1(x)) / _TEMPERATURE
 
 
+def _traced_as_is(fn):
+    """A decorator as libraries write them (``functools.wraps``): the check reads the function it wraps."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _DecoratedTempered(_Tempered):
+    @_traced_as_is
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
 class _CountsGlobally(_Tempered):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _TRACED
@@ -246,12 +261,13 @@ def test_a_global_setting_the_forward_reads_is_checked_at_every_call(mesh2):
     sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
     assert torch.equal(sm(x), ref(x))
     twin = copy.deepcopy(sm)  # checks the same live variable (the check must not copy the module's globals)
+    decorated = fxshard.shard(_DecoratedTempered(), mesh2, {}, example_inputs=(x,))
     try:
         _TEMPERATURE = 4.0
-        for m in (sm, twin):
-            with pytest.raises(ShardingError, match=r"ShardedModule\(_Tempered\): the forward reads the global "
-                                                    r"'_TEMPERATURE' \(in _Tempered.forward\), which was 2.0 when it "
-                                                    r"was traced and is 4.0 now.*shard the model again"):
+        for m in (sm, twin, decorated):
+            with pytest.raises(ShardingError, match=r"ShardedModule\(_(Decorated)?Tempered\): the forward reads the "
+                                                    r"global '_TEMPERATURE' \(in _Tempered.forward\), which was 2.0 "
+                                                    r"when it was traced and is 4.0 now.*shard the model again"):
                 m(x)
     finally:
         _TEMPERATURE = 2.0
