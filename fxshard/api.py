@@ -27,7 +27,7 @@ from .inputs import InputCheck, check_no_autocast
 from .mesh import MeshInfo
 from .checkpoint import take
 from .errors import ShardingError
-from .captured import check_captured, forward_scalars
+from .captured import forward_scalars, settled_after_trace
 from .module import Program, Programs, ShardedModule, Training
 from .replicas import check_replicas, communicates, from_source, sentinel
 from .context import runtime_device
@@ -151,7 +151,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     captured = forward_scalars(model)
     for attempt in range(RETRIES + 1):
         progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
-        check_captured(captured, f"{type(model).__name__}'s forward, while traced,", changed_by_fn=True)
+        captured = settled_after_trace(captured, f"{type(model).__name__}'s forward, while traced,")
         keep = req
         if report is not None:  # sharding again for other modes keeps the chosen plan
             keep = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,

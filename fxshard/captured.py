@@ -21,12 +21,12 @@ from __future__ import annotations
 import dis
 import inspect
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from .errors import ShardingError
 
-__all__ = ["Captured", "captured_scalars", "check_captured", "forward_scalars"]
+__all__ = ["Captured", "captured_scalars", "check_captured", "forward_scalars", "settled_after_trace"]
 
 _SCALARS = (bool, int, float, complex, str, type(None))
 _MISSING = object()
@@ -37,7 +37,7 @@ def _scalar(value: Any) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    return type(a) is type(b) and a == b
+    return a is b or (type(a) is type(b) and a == b)  # `is`: a NaN is itself
 
 
 @dataclass(frozen=True)
@@ -150,21 +150,36 @@ _JIT_FIX = ("Pass the value as an argument: a tensor changes without tracing aga
             "traces once per distinct value")
 
 
-def check_captured(captured: Sequence[Captured], what: str, changed_by_fn: bool = False, fix: str = _JIT_FIX) -> None:
-    """Requires: ``captured`` from :func:`captured_scalars` before the trace. Ensures: each still holds the
-    value it had then, else a ShardingError naming it, both values and ``fix`` (``changed_by_fn``: the check
-    right after the trace, so the traced code itself changed it)."""
+def settled_after_trace(captured: Sequence[Captured], what: str) -> list[Captured]:
+    """Requires: ``captured`` from :func:`captured_scalars` just before a trace, called right after it.
+    Ensures: the records the check compares from now on. A variable the traced code filled from ``None`` (a
+    lazily computed module-level flag) is recorded with its new value; any other change the traced code made
+    (a counter) is a ShardingError: the program would keep one value where eager's changes every call."""
+    out = []
     for c in captured:
         now = c.now()
-        if _same(now, c.value):
-            continue
-        shown = "deleted" if now is _MISSING else repr(now)
-        if changed_by_fn:
+        if not _same(now, c.value):
+            if c.value is not None or not _scalar(now):
+                raise ShardingError(
+                    f"{what} changed the {c.kind} {c.name!r} (in {c.reader}) from {c.value!r} to {_shown(now)}; "
+                    f"fxshard runs that Python code once, while tracing, so the program would never change it "
+                    f"again. Keep the code pure: return the new value instead")
+            c = replace(c, value=now)
+        out.append(c)
+    return out
+
+
+def _shown(value: Any) -> str:
+    return "deleted" if value is _MISSING else repr(value)
+
+
+def check_captured(captured: Sequence[Captured], what: str, fix: str = _JIT_FIX) -> None:
+    """Requires: ``captured`` as :func:`settled_after_trace` left them. Ensures: each still holds the value it
+    had when traced, else a ShardingError naming it, both values and ``fix``."""
+    for c in captured:
+        now = c.now()
+        if not _same(now, c.value):
             raise ShardingError(
-                f"{what} changed the {c.kind} {c.name!r} (in {c.reader}) from {c.value!r} to {shown}; fxshard runs "
-                f"that Python code once, while tracing, so the program would never change it again. Keep the "
-                f"code pure: return the new value instead")
-        raise ShardingError(
-            f"{what} reads the {c.kind} {c.name!r} (in {c.reader}), which was {c.value!r} when it was traced and is {shown} now; "
-            f"the program computes with {c.value!r} (tracing bakes in the Python values it reads), so "
-            f"it would no longer match eager. {fix}")
+                f"{what} reads the {c.kind} {c.name!r} (in {c.reader}), which was {c.value!r} when it was traced and "
+                f"is {_shown(now)} now; the program computes with {c.value!r} (tracing bakes in the Python values it "
+                f"reads), so it would no longer match eager. {fix}")

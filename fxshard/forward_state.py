@@ -17,7 +17,9 @@ is traced as a constant: if forward also replaces it (``self.mem = y.detach()``,
 eager reads the new tensor on the next call and the program the old one forever (measured: off by 2.1
 on the second call). :meth:`ForwardState.check_constants` raises for those once the traced program's
 constants are known; a tensor attribute forward only writes (an activation kept for inspection, a
-weight a pre-hook recomputes from parameters) does not change what the program computes and passes.
+weight a pre-hook recomputes from parameters) does not change what the program computes and passes, and
+so does one replaced by a cast of itself (``self.freqs_cis = self.freqs_cis.to(x.device)``, as Meta's
+Llama reference does: the tracer's record shows the new tensor made from the constant by casts only).
 A parameter forward replaces by another object (``self.fc.weight = nn.Parameter(...)``) raises.
 
 Host random numbers too: a forward that draws from Python's ``random`` or ``numpy.random`` (a
@@ -98,6 +100,8 @@ class ForwardState:
             new = after.get(key)
             if new is None or new is old:
                 continue
+            if len(key) != 3 and _cast_of_constant(new):
+                continue  # self.freqs_cis = self.freqs_cis.to(x.device): the same values, eager and traced alike
             if len(key) == 3:
                 raise ShardingError(
                     f"the forward replaces parameter {_where(key[:2])!r} by another tensor while fxshard traced it "
@@ -119,6 +123,29 @@ class ForwardState:
                     f"previous call stored (a recurrent memory, a running value). Register it as a buffer "
                     f"(self.register_buffer({key[1].split('[')[0]!r}, ...), then assigning or updating it in "
                     f"forward is traced as its update) or pass it in and return the new value")
+
+
+_CASTS = frozenset(("to", "_to_copy", "detach", "alias", "clone", "contiguous", "lift_fresh", "lift_fresh_copy"))
+
+
+def _cast_of_constant(t: torch.Tensor) -> bool:
+    """Whether ``t``, made while ``torch.export`` traces, is a constant the trace lifted passed through dtype or
+    device casts and copies only (read from the tracer's record of the op that made it)."""
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is None:
+        return False
+    try:
+        slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
+    except Exception:  # not a tensor the tracer made
+        return False
+    node = getattr(getattr(slot, "proxy", None), "node", None)
+    while (node is not None and node.op == "call_function" and node.args and isinstance(node.args[0], torch.fx.Node)
+           and getattr(getattr(node.target, "overloadpacket", None), "__name__", None) in _CASTS):
+        node = node.args[0]
+    return node is not None and (node.op == "get_attr" or (
+        node.op == "placeholder" and node.name.startswith(("c_", "lifted_tensor"))))
 
 
 def _where(key: tuple[str, str]) -> str:

@@ -43,7 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
-from .captured import Captured, captured_scalars, check_captured
+from .captured import Captured, captured_scalars, check_captured, settled_after_trace
 from .comm_errors import run_program
 from .consistency import check_generators_agree
 from .constrain import constraint_scope
@@ -251,7 +251,7 @@ class ShardedFunction:
         captured = captured_scalars(self._fn)
         with constraint_scope(functional=True) as recorded:
             gm, out_tree = self._trace(leaves, tree, runtime_device(ShardContext(mesh=info)))
-        check_captured(captured, f"fxshard.jit({self.__name__}): while traced, {self.__name__}", changed_by_fn=True)
+        captured = settled_after_trace(captured, f"fxshard.jit({self.__name__}): while traced, {self.__name__}")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         seeds = {}
         for node, leaf in zip(placeholders, [l for l in leaves if l.is_tensor]):

@@ -175,6 +175,29 @@ class _Stash(nn.Module):
         return self.net2(h)
 
 
+class _Cast(nn.Module):
+    """Replaces a tensor attribute by a cast of itself, as Meta's Llama reference does with freqs_cis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(4, 4)
+        self.scale = torch.full((4,), 2.0, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = self.scale.to(x.dtype)
+        return self.net1(x) * self.scale
+
+
+def test_a_tensor_attribute_replaced_by_a_cast_of_itself_is_accepted(mesh2):
+    """The same values on every call, eager and traced: refusing it broke a common idiom."""
+    x = torch.randn(2, 4)
+    model = _Cast()
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    for _ in range(2):
+        assert torch.equal(sm(x), ref(x))
+
+
 def test_a_tensor_attribute_forward_only_writes_or_a_pre_hook_recomputes_is_accepted(mesh2):
     """Written but never read (an activation stash), or recomputed from parameters before every use
     (hook-based weight_norm sets ``module.weight`` in a forward pre-hook): the program computes what eager
@@ -243,6 +266,25 @@ class _DecoratedTempered(_Tempered):
         return super().forward(x) * 2
 
 
+_NAN = float("nan")
+_FUSED = None  # filled by _use_fused() on first use, as libraries cache a capability check
+
+
+def _use_fused() -> bool:
+    global _FUSED
+    if _FUSED is None:
+        _FUSED = True
+    return _FUSED
+
+
+class _LazyFlag(_Tempered):
+    """Reads a NaN constant (never equal to itself) and a module flag a helper fills lazily while traced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.nan_to_num(super().forward(x), nan=_NAN)
+        return y * 2 if _use_fused() else y
+
+
 class _CountsGlobally(_Tempered):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         global _TRACED
@@ -253,7 +295,8 @@ class _CountsGlobally(_Tempered):
 def test_a_global_setting_the_forward_reads_is_checked_at_every_call(mesh2):
     """The program keeps the value a module-level number had when traced (measured before the check: 2.0 kept
     after it became 4.0, silently). A call after it changed raises naming it; back at the traced value the module
-    runs again. A forward that changes a global while traced is refused at shard()."""
+    runs again. A forward that changes a global while traced is refused at shard(), except a flag filled from None
+    (a lazily computed capability check); a NaN constant is not a change."""
     global _TEMPERATURE, _TRACED
     x = torch.randn(2, 4)
     model = _Tempered()
@@ -276,3 +319,7 @@ def test_a_global_setting_the_forward_reads_is_checked_at_every_call(mesh2):
     with pytest.raises(ShardingError, match=r"changed the global '_TRACED' \(in _CountsGlobally.forward\) from 0 "
                                             r"to 1"):
         fxshard.shard(_CountsGlobally(), mesh2, {}, example_inputs=(x,))
+    model = _LazyFlag()  # filled from None while traced: recorded with its value, not refused
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    assert _FUSED is True and torch.equal(sm(x), ref(x))
