@@ -15,11 +15,17 @@ At the next optimizer step over the module's parameters, :func:`check_gradients`
 gradient was changed in place or replaced since, and not by ``sm.clip_grad_norm_``, it warns once per
 module (fxshard cannot tell what the change was), and compares the gradients of replicated parameters
 across the ranks they are replicated on (a checksum each; ``replicas.check_replicas``): a difference
-raises a ShardingError before the optimizer updates anything. Nothing is compared, and no collective
-runs, on steps whose gradients are exactly what the backward left.
+raises a ShardingError before the optimizer updates anything. Only mesh axes that split some parameter
+are compared: along the others every rank holds the same pieces and computes the same statistics (so a
+data-parallel axis costs nothing), and a module with nothing split is not checked at all. Nothing is
+compared, and no collective runs, on steps whose gradients are exactly what the backward left. Sparse
+gradients are left out of the comparison. Each forward re-arms the record, so a backward that failed
+before its end does not switch the check off.
 
 Requires: every rank of the mesh changes its gradients the same way (SPMD code), since the
-comparison is a collective. Not checked: modules under FSDP2 (their gradients are FSDP2's).
+comparison is a collective; code that changes them on some ranks only (clipping by a rank's own norm
+under an ``if``) makes those ranks wait in the comparison until the process group's timeout. Not
+checked: modules under FSDP2 (their gradients are FSDP2's).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from typing import Any
 
 import torch
 
+from .placements import Replicated
 from .replicas import check_replicas
 
-__all__ = ["track_gradients", "record_gradients", "check_gradients"]
+__all__ = ["track_gradients", "record_gradients", "check_gradients", "forward_started"]
 
 _RECORD = "_fxshard_grad_record"  # on a ShardedModule: {fqn: (weakref of the gradient, its version)} or None
 _QUEUED = "_fxshard_grad_queued"  # on a ShardedModule: a callback is queued for the running backward
@@ -51,6 +58,11 @@ def record_gradients(sm: Any, *, if_recorded: bool = False) -> None:
         return
     sm.__dict__[_RECORD] = {fqn: (weakref.ref(p.grad), p.grad._version)
                             for fqn, p in sm.named_parameters() if p.grad is not None}
+
+
+def forward_started(sm: Any) -> None:
+    """Ensures: the next backward queues its record again, even if the last one failed before its end."""
+    sm.__dict__[_QUEUED] = False
 
 
 def track_gradients(sm: Any) -> None:
@@ -90,6 +102,9 @@ def check_gradients(sm: Any) -> None:
     if not record:
         return
     sm.__dict__[_RECORD] = None
+    split = _split_axes(sm)
+    if not split:  # every rank holds whole gradients: a per-rank statistic is the model's
+        return
     grads = {fqn: p.grad for fqn, p in sm.named_parameters() if p.grad is not None}
     changed = [fqn for fqn, g in grads.items()
                if fqn not in record or record[fqn][0]() is not g or record[fqn][1] != g._version]
@@ -104,5 +119,18 @@ def check_gradients(sm: Any) -> None:
             f"over a whole gradient (a norm, a max) computed on them is this rank's, not the model's: use "
             f"sm.clip_grad_norm_(max_norm) rather than torch.nn.utils.clip_grad_norm_(sm.parameters(), ...). "
             f"fxshard now compares the replicated gradients across ranks at each such step", stacklevel=4)
-    check_replicas({f"{fqn}.grad": g for fqn, g in grads.items()}, {f"{fqn}.grad": sm._placements[fqn] for fqn in grads},
-                   sm._mesh, _WHY)
+    # only over the axes that split some parameter: along the others every rank holds the same pieces, so the
+    # same per-rank statistics (and a check there would checksum every data-parallel replica's gradients)
+    dense = {fqn: g for fqn, g in grads.items() if g.layout == torch.strided}  # a sparse gradient has no checksum
+    check_replicas({f"{fqn}.grad": g for fqn, g in dense.items()},
+                   {f"{fqn}.grad": tuple(pl if a in split else _NOT_COMPARED for a, pl in enumerate(sm._placements[fqn]))
+                    for fqn in dense}, sm._mesh, _WHY)
+
+
+_NOT_COMPARED = object()  # a placement check_replicas skips (not Replicated)
+
+
+def _split_axes(sm: Any) -> set[int]:
+    """The mesh axes over which some parameter of ``sm`` is split (held in different pieces by different ranks)."""
+    return {a for fqn, _ in sm.named_parameters() for a, pl in enumerate(sm._placements[fqn])
+            if not isinstance(pl, Replicated)}

@@ -20,7 +20,7 @@ from .errors import ShardingError
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .inputs import InputCheck, check_no_autocast
 from .captured import Captured, check_captured
-from .grad_guard import record_gradients, track_gradients
+from .grad_guard import forward_started, record_gradients, track_gradients
 from .optim_state import track_optimizers
 from .mesh import MeshInfo
 from .passes.trace import Traced
@@ -580,6 +580,7 @@ class ShardedModule(nn.Module):
         forward computes with the sharded parameters' current values."""
         check_no_autocast(f"{self._where} was called", self._mesh.device_type)
         check_captured(self._captured, f"{self._where}: the forward", fix=_MODULE_FIX)
+        forward_started(self)
         progs = self._for_mode()
         self._check_filled()
         fsdp = self._fsdp_scopes()

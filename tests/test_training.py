@@ -199,8 +199,42 @@ def _clipped(rank: int, world: int) -> dict:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         _clip_cases(mesh, cases, out)
-    return {"cases": out, "torch_clip": _torch_clip(mesh, *cases["uneven"][:3]),
+    return {"cases": out, "torch_clip": _torch_clip(mesh, *cases["uneven"][:3]), "edges": _guard_edges(mesh),
             "warnings": [str(w.message) for w in seen if "fxshard" in str(w.message)]}
+
+
+class _SparseAndSplit(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8, sparse=True)
+        self.net1, self.net2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.net2(torch.relu(self.net1(self.emb(ids))))
+
+
+def _guard_edges(mesh) -> dict:
+    """Gradients scaled in place by the same factor on every rank: with a replicated sparse embedding next to split
+    layers (its sparse gradient has no checksum: the step crashed in it before), and on a module with nothing split
+    (every rank holds whole gradients: no warning, no comparison)."""
+    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(3))
+    res = {}
+    for name, plan in (("sparse", {"net1": ColwiseParallel(), "net2": RowwiseParallel()}), ("replicated", {})):
+        sm = fxshard.shard(_SparseAndSplit(), mesh, plan, example_inputs=(ids,))
+        opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+        sm(ids).pow(2).sum().backward()
+        with torch.no_grad():
+            for p in sm.parameters():
+                p.grad.mul_(0.5)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+                res[name] = "ok"
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                res[name] = f"{type(e).__name__}: {e}"
+        res[name + " warnings"] = [str(w.message) for w in seen if "changed in place" in str(w.message)]
+    return res
 
 
 def _clip_cases(mesh, cases: dict, out: dict) -> None:
@@ -265,6 +299,35 @@ def test_clip_grad_norm_clips_by_the_norm_of_the_full_gradients():
         assert unclipped["err"] is None and unclipped["param_err"] <= TOL, unclipped
         assert len(unclipped["warnings"]) == 1 and "were changed in place after the backward" in \
             unclipped["warnings"][0], unclipped
+        edges = res["edges"]
+        assert edges["sparse"] == "ok" and len(edges["sparse warnings"]) == 1, edges
+        assert edges["replicated"] == "ok" and edges["replicated warnings"] == [], edges
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+def test_a_backward_that_failed_midway_does_not_switch_the_gradient_check_off(mesh2):
+    """The backward raised after this module's gradients accumulated, so its end-of-backward record never ran:
+    before, no later backward recorded again and torch's clip over ``sm.parameters()`` went unnoticed for good."""
+    x = torch.randn(4, 16)
+    sm = fxshard.shard(models.ToyModel(16, 32), mesh2, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},
+                       example_inputs=(x.clone().requires_grad_(),))
+    with pytest.raises(RuntimeError, match="boom"):
+        sm(_Boom.apply(x.clone().requires_grad_())).sum().backward()
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    opt.zero_grad()
+    sm(x).sum().backward()
+    torch.nn.utils.clip_grad_norm_(sm.parameters(), 1e9)
+    with pytest.warns(UserWarning, match=r"were changed in place after the backward"):
+        opt.step()
 
 
 def _dynamic_batch_train(rank: int, world: int) -> dict:
