@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -808,7 +809,8 @@ class ShardedModule(nn.Module):
         """Copy each rank's slices of a full checkpoint into the local shards.
 
         ``src`` is a state dict (keys as in ``model.state_dict()``), a ``.safetensors`` file, or a
-        directory of HF-style sharded safetensors files; from files each rank reads only its slices.
+        directory of HF-style sharded safetensors files; from files each rank reads only its slices. A key
+        the module lacks is a ShardingError; entries the module has no place for are skipped with a warning.
         """
         reader = open_checkpoint(src)
         own = self._state_tensors()
@@ -819,6 +821,12 @@ class ShardedModule(nn.Module):
                 f"load_full_state_dict: missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}; pass a "
                 f"checkpoint of the full model (keys as in model.state_dict())"
             )
+        unused = sorted(have - set(own))
+        if unused:  # as HF's loader: real checkpoints carry extras (a tied head, old rotary buffers)
+            warnings.warn(
+                f"load_full_state_dict: {len(unused)} checkpoint entries match no parameter or persistent buffer of "
+                f"{self._where} and were not loaded: {unused[:5]}{' ...' if len(unused) > 5 else ''}; check that "
+                f"the checkpoint is this model's", stacklevel=2)
         with torch.no_grad():
             for name, local in own.items():
                 pieces = self._pieces(name, local)

@@ -226,3 +226,20 @@ def test_a_deep_copy_of_the_module_is_tracked_like_the_original(mesh2):
         opt.step()
     exp_avg = opt.state_dict()["state"][0]["exp_avg"]
     assert isinstance(exp_avg, DTensor) and exp_avg.shape == (6, 4)
+
+
+def test_load_full_state_dict_names_missing_keys_and_warns_about_unused_ones(mesh2):
+    """A missing key or a wrong shape raises; an entry the module has no place for (real checkpoints carry extras:
+    a tied head, old rotary buffers) is skipped with a warning naming it, as HF's loader does; before, silently."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 4))
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {"0": fxshard.ColwiseParallel(), "1": fxshard.RowwiseParallel()},
+                       example_inputs=(torch.randn(3, 4),))
+    full = {k: v + 1 for k, v in model.state_dict().items()}  # other values than the module holds
+    with pytest.raises(fxshard.ShardingError, match=r"missing keys \['1.bias'\]"):
+        sm.load_full_state_dict({k: v for k, v in full.items() if k != "1.bias"})
+    with pytest.raises(fxshard.ShardingError, match=r"0.weight has shape \(8, 4\), expected \(6, 4\)"):
+        sm.load_full_state_dict({**full, "0.weight": torch.zeros(8, 4)})
+    with pytest.warns(UserWarning, match=r"1 checkpoint entries match no parameter .* \['model.extra'\]"):
+        sm.load_full_state_dict({**full, "model.extra": torch.zeros(2)})
+    assert torch.equal(sm.get_submodule("0").weight, full["0.weight"][:3])  # rank 0's rows, loaded
+    assert torch.equal(sm.get_submodule("1").weight, full["1.weight"][:, :3])
