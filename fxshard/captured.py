@@ -9,7 +9,9 @@ what eager computes from the next call on, and nothing under fxshard: measured, 
 :func:`captured_scalars` lists the scalars a function reads by name: the globals (``LOAD_GLOBAL``)
 and closure variables (``LOAD_DEREF``) of its code and of the code nested in it (lambdas, inner
 functions), following the Python functions it reads that way when they are defined in the same
-module; decorators (``functools.wraps``) are looked through to the function they wrap. Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
+module; decorators (``functools.wraps``) are looked through to the function they wrap. For a bound method
+(``fxshard.jit(trainer.step, ...)``), also the attributes it reads from its instance (``self.lr``,
+``self.cfg.lr``: instance dicts only, no property is run). Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
 functions, config objects) are not compared, nor are the attributes read from them.
 :func:`check_captured` compares them at each call and raises a ShardingError naming the first one that
 changed. ``fxshard.shard`` does the same for the ``forward`` of the model's own module classes
@@ -22,7 +24,7 @@ import dis
 import inspect
 import types
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .errors import ShardingError
 
@@ -45,7 +47,7 @@ class Captured:
     """One scalar a function reads by name: a global of ``where`` or a closure cell, and its value at trace."""
 
     name: str
-    kind: str  # "global" or "closure variable"
+    kind: str  # "global", "closure variable" or "attribute" (``name``: ``self.cfg.lr``; ``where``: the instance)
     reader: str  # the qualified name of the function that reads it
     where: Any = field(repr=False, compare=False)  # the function's globals dict, or the closure cell
     value: Any
@@ -54,18 +56,54 @@ class Captured:
         return self  # it refers to the live variable: a copied module checks the same one
 
     def __reduce__(self) -> tuple:
-        """Pickled by reference: a global by its module's name, a closure variable as its value at trace time."""
+        """Pickled by reference: a global by its module's name; a closure variable or an attribute as its value
+        at trace time."""
         if self.kind == "global":
             return _global, (self.where.get("__name__"), self.name, self.reader, self.value)
         return Captured, (self.name, self.kind, self.reader, _Kept(self.value), self.value)
 
     def now(self) -> Any:
+        if isinstance(self.where, _Kept):
+            return self.where.cell_contents
         if self.kind == "global":
             return self.where.get(self.name, _MISSING)
+        if self.kind == "attribute":
+            return _attribute(self.where, self.name.split(".")[1:])
         try:
             return self.where.cell_contents
         except ValueError:  # an empty cell
             return _MISSING
+
+
+def _attribute(obj: Any, path: Sequence[str]) -> Any:
+    """``obj.a.b`` for ``path`` ``["a", "b"]``, read from instance dicts only (no property runs), or _MISSING."""
+    for name in path:
+        obj = getattr(obj, "__dict__", {}).get(name, _MISSING)
+        if obj is _MISSING:
+            return _MISSING
+    return obj
+
+
+def _self_attributes(method: Any) -> list[Captured]:
+    """The scalar attributes a bound method reads from its instance by name (``self.lr``, ``self.cfg.lr``)."""
+    f = _unwrapped(method)
+    code, obj = getattr(f, "__code__", None), getattr(method, "__self__", None)
+    if not isinstance(code, types.CodeType) or obj is None or isinstance(obj, type) or not code.co_argcount:
+        return []
+    me = code.co_varnames[0]
+    found: dict[str, Captured] = {}
+    path: Optional[list[str]] = None
+    for ins in dis.get_instructions(code):
+        if path is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(ins.argval, str):
+            path.append(ins.argval)
+            continue
+        if path:
+            value = _attribute(obj, path)
+            name = ".".join([me, *path])
+            if _scalar(value) and value is not _MISSING:
+                found.setdefault(name, Captured(name, "attribute", f.__qualname__, obj, value))
+        path = [] if ins.opname == "LOAD_FAST" and ins.argval == me else None
+    return list(found.values())
 
 
 class _Kept:
@@ -130,7 +168,7 @@ def captured_scalars(fn: Callable) -> list[Captured]:
                     visit(value)
 
     visit(fn)
-    return list(found.values())
+    return list(found.values()) + _self_attributes(fn)
 
 
 def forward_scalars(model: Any) -> list[Captured]:

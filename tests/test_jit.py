@@ -382,3 +382,37 @@ def test_python_scalars_read_from_globals_or_closures_are_checked_at_every_call(
     with pytest.raises(fxshard.ShardingError, match=r"while traced, _counting_step changed the global '_CALLS' "
                                                     r"\(in _counting_step\) from 0 to 1.*Keep the code pure"):
         fxshard.jit(_counting_step, mesh2)(w)
+
+
+class _Trainer:
+    """A training step as a bound method reading its learning rate from the instance and a config object."""
+
+    class Cfg:
+        scale = None
+
+    def __init__(self) -> None:
+        self.lr = 0.5
+        self.cfg = self.Cfg()
+        self.cfg.scale = 2.0
+
+    def step(self, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return w - self.lr * g * self.cfg.scale
+
+
+def test_a_bound_methods_instance_attributes_are_checked_at_every_call(mesh2):
+    """``fxshard.jit(trainer.step)``: ``self.lr`` and ``self.cfg.scale`` were baked in like globals; an epoch
+    schedule assigning ``trainer.lr`` was ignored, silently. Now each call compares them."""
+    trainer = _Trainer()
+    w, g = torch.ones(4), torch.full((4,), 0.25)
+    sf = fxshard.jit(trainer.step, mesh2)
+    assert torch.equal(sf(w, g), trainer.step(w, g))
+    trainer.lr = 0.1
+    with pytest.raises(fxshard.ShardingError, match=r"reads the attribute 'self.lr' \(in _Trainer.step\), which was "
+                                                    r"0.5 when it was traced and is 0.1 now"):
+        sf(w, g)
+    trainer.lr = 0.5
+    trainer.cfg.scale = 3.0
+    with pytest.raises(fxshard.ShardingError, match=r"reads the attribute 'self.cfg.scale'"):
+        sf(w, g)
+    trainer.cfg.scale = 2.0
+    assert torch.equal(sf(w, g), trainer.step(w, g))
