@@ -145,6 +145,12 @@ class Scope(nn.Module):
         _refuse_traced(self, name)
         super().__setattr__(name, value)
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise _traced_attribute(self, name) from None
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ShardingError(f"the {self._kind} {self._fqn!r} inside a ShardedModule cannot run on its own: fxshard "
                             f"shards the whole model as one program; call the ShardedModule (or shard this submodule "
@@ -247,6 +253,18 @@ def _refuse_traced(m: nn.Module, name: str) -> None:
             f"setting {name!r} on {what} would change nothing: the programs were traced from the original module "
             f"and hold the value its {name!r} had then. Set {name!r} on the original model and shard it again "
             f"(train/eval modes are the exception: sm.train()/sm.eval() are followed)")
+
+
+def _traced_attribute(m: nn.Module, name: str) -> AttributeError:
+    """Why ``name`` (a plain attribute of the module ``m`` stands in for, e.g. an HF model's ``config``) is not on
+    the stand-in, or torch's AttributeError for anything else."""
+    if name in m.__dict__.get("_traced_attrs", ()):
+        what = m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
+        return AttributeError(
+            f"{what} does not carry the original module's plain attribute {name!r}: the programs were traced with "
+            f"the value it had then, and a copy here could be changed to no effect. Read it from the original "
+            f"model (and shard again to change it)")
+    return AttributeError(f"{type(m).__name__!r} object has no attribute {name!r}")
 
 
 def _container(root: nn.Module, path: list[str]) -> nn.Module:
@@ -385,6 +403,12 @@ class ShardedModule(nn.Module):
     def __setattr__(self, name: str, value: Any) -> None:
         _refuse_traced(self, name)
         super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise _traced_attribute(self, name) from None
 
     # ---- the programs of the current modes ---------------------------------------------------
     @property

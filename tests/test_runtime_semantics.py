@@ -249,6 +249,13 @@ def test_setting_a_traced_attribute_raises(mesh2):
         sm.norm.eps = 1e-3
     with pytest.raises(ShardingError, match=r"setting 'scale' on ShardedModule\(_Scaled\) would change nothing"):
         sm.scale = 1.0
+    # reading one names why it is not there (an HF model's config is the common case), and hasattr stays False
+    with pytest.raises(AttributeError, match=r"ShardedModule\(_Scaled\) does not carry the original module's "
+                                             r"plain attribute 'scale'.*Read it from the original model"):
+        sm.scale
+    with pytest.raises(AttributeError, match=r"the Dropout 'drop' inside a ShardedModule does not carry .* 'p'"):
+        sm.drop.p
+    assert not hasattr(sm, "scale") and not hasattr(sm, "no_such_name")
     sm.drop.eval()
     sm.drop.note, sm.tag = "kept", "mine"  # names the model did not have
     sm.norm.weight = nn.Parameter(torch.full((32,), 2.0))  # a tensor: registered as on any module
