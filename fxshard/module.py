@@ -604,6 +604,12 @@ class ShardedModule(nn.Module):
         FSDP2 each call first frees whatever an earlier forward left gathered (``_reshard_fsdp``), so a
         forward computes with the sharded parameters' current values."""
         check_no_autocast(f"{self._where} was called", self._mesh.device_type)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            raise ShardingError(
+                f"{self._where} was called under a torch.func transform (grad, vmap, jacrev, ...): it runs its "
+                f"sharded programs as one autograd step that such transforms cannot see into, so they would fail "
+                f"or compute something else. Shard the whole computation with fxshard.jit (torch.func inside the "
+                f"function, as for a gradient penalty), or apply the transform to the unsharded model")
         check_captured(self._captured, f"{self._where}: the forward", fix=_MODULE_FIX)
         forward_started(self)
         progs = self._for_mode()

@@ -327,3 +327,23 @@ def test_a_tensor_made_on_the_inputs_device_in_an_untraced_mode_raises(mesh2):
     sm.eval()
     with pytest.raises(ShardingError, match=r"a tensor its forward creates .* on the input's device"):
         sm(x)
+
+
+def test_torch_func_transforms_over_the_module_raise_and_functional_call_works(mesh2):
+    """``torch.func.grad``/``vmap`` over a ShardedModule raised torch's bare RuntimeError about autograd.Function's
+    setup_context; now a ShardingError names fxshard.jit. ``functional_call`` with substituted tensors (no transform)
+    computes what the unsharded model does, gradients to the substitutes included."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(2, 4)
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, {}, example_inputs=(x,))
+    params = {k: v.detach() * 2 for k, v in model.named_parameters()}
+    with pytest.raises(ShardingError, match=r"called under a torch.func transform .* fxshard.jit"):
+        torch.func.grad(lambda p: functional_call(sm, p, (x,)).sum())(params)
+    with pytest.raises(ShardingError, match=r"called under a torch.func transform"):
+        torch.func.vmap(lambda row: sm(row[None]))(x)
+    mine = {k: v.clone().requires_grad_() for k, v in params.items()}
+    theirs = {k: v.clone().requires_grad_() for k, v in params.items()}
+    functional_call(sm, mine, (x,)).sum().backward()
+    functional_call(model, theirs, (x,)).sum().backward()
+    for k in mine:
+        torch.testing.assert_close(mine[k].grad, theirs[k].grad, rtol=0, atol=1e-6)
