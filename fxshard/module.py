@@ -243,12 +243,20 @@ def _scope(kind: type, fqn: str, traced: frozenset[str]) -> Scope:
     return scope
 
 
+def _traced_owner(m: nn.Module, name: str) -> str:
+    """How to name ``m`` (a ShardedModule or a Scope) in a message if ``name`` is one of the plain attributes the
+    module it stands in for had when traced; empty otherwise."""
+    if name not in m.__dict__.get("_traced_attrs", ()):
+        return ""
+    return m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
+
+
 def _refuse_traced(m: nn.Module, name: str) -> None:
     """Raises ShardingError if ``name`` is one of the plain attributes (a dropout's ``p``, a norm's ``eps``)
     the module ``m`` (a ShardedModule or a Scope) stands in for had when it was traced: the programs hold their
     values, so setting one on the stand-in would silently change nothing."""
-    if name in m.__dict__.get("_traced_attrs", ()):
-        what = m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
+    what = _traced_owner(m, name)
+    if what:
         raise ShardingError(
             f"setting {name!r} on {what} would change nothing: the programs were traced from the original module "
             f"and hold the value its {name!r} had then. Set {name!r} on the original model and shard it again "
@@ -258,8 +266,8 @@ def _refuse_traced(m: nn.Module, name: str) -> None:
 def _traced_attribute(m: nn.Module, name: str) -> AttributeError:
     """Why ``name`` (a plain attribute of the module ``m`` stands in for, e.g. an HF model's ``config``) is not on
     the stand-in, or torch's AttributeError for anything else."""
-    if name in m.__dict__.get("_traced_attrs", ()):
-        what = m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
+    what = _traced_owner(m, name)
+    if what:
         return AttributeError(
             f"{what} does not carry the original module's plain attribute {name!r}: the programs were traced with "
             f"the value it had then, and a copy here could be changed to no effect. Read it from the original "
