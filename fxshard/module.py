@@ -612,7 +612,8 @@ class ShardedModule(nn.Module):
         FSDP2 each call first frees whatever an earlier forward left gathered (``_reshard_fsdp``), so a
         forward computes with the sharded parameters' current values."""
         check_no_autocast(f"{self._where} was called", self._mesh.device_type)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        # under TorchDynamo the stack is a traced value, never None: a transform around a compiled module is not seen
+        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
             raise ShardingError(
                 f"{self._where} was called under a torch.func transform (grad, vmap, jacrev, ...): it runs its "
                 f"sharded programs as one autograd step that such transforms cannot see into, so they would fail "
