@@ -44,6 +44,7 @@ __all__ = ["track_gradients", "record_gradients", "check_gradients", "forward_st
 _RECORD = "_fxshard_grad_record"  # on a ShardedModule: {fqn: (weakref of the gradient, its version)} or None
 _QUEUED = "_fxshard_grad_queued"  # on a ShardedModule: a callback is queued for the running backward
 _WARNED = "_fxshard_grad_warned"  # on a ShardedModule: the in-place warning was given
+_SPLIT = "_fxshard_grad_split"  # on a ShardedModule: the mesh axes that split some parameter (fixed at shard())
 
 _WHY = ("something changed the gradients in place after the backward, per rank (torch.nn.utils.clip_grad_norm_"
         "(sm.parameters(), ...) computes each rank's norm over only its pieces of split gradients and scales each "
@@ -68,6 +69,7 @@ def forward_started(sm: Any) -> None:
 def track_gradients(sm: Any) -> None:
     """Requires: ``sm``'s local parameters are registered. Ensures: the end of every backward that gives one of
     them a gradient calls :func:`record_gradients` (module doc)."""
+    sm.__dict__[_SPLIT] = _split_axes(sm)
     ref = weakref.ref(sm)
 
     def after_backward(last: bool) -> None:
@@ -102,7 +104,7 @@ def check_gradients(sm: Any) -> None:
     if not record:
         return
     sm.__dict__[_RECORD] = None
-    split = _split_axes(sm)
+    split = sm.__dict__[_SPLIT]
     if not split:  # every rank holds whole gradients: a per-rank statistic is the model's
         return
     grads = {fqn: p.grad for fqn, p in sm.named_parameters() if p.grad is not None}

@@ -125,7 +125,23 @@ class _RunSharded(torch.autograd.Function):
         return (None, None, *res)
 
 
-class Scope(nn.Module):
+class _StandIn(nn.Module):
+    """A module standing in for one of the original model's (a ShardedModule for the model, a Scope for a
+    submodule): setting or reading a plain attribute the original had when traced explains why that does not
+    work (``_refuse_traced``, ``_traced_attribute``)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        _refuse_traced(self, name)
+        super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            raise _traced_attribute(self, name) from None
+
+
+class Scope(_StandIn):
     """Stands in a ShardedModule for one submodule of the original model: it holds that submodule's
     local parameters and buffers and its train/eval mode (``sm.dropout.eval()`` works as on the model).
 
@@ -140,16 +156,6 @@ class Scope(nn.Module):
 
     def _get_name(self) -> str:
         return self._kind
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        _refuse_traced(self, name)
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            raise _traced_attribute(self, name) from None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise ShardingError(f"the {self._kind} {self._fqn!r} inside a ShardedModule cannot run on its own: fxshard "
@@ -321,7 +327,7 @@ def _same_constant(value: Any, example: Any) -> bool:
     return type(value) is type(example) and (value == example or value is example)
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(_StandIn):
     """This rank's part of a sharded model.
 
     Parameters and buffers are the local shards, registered under the
@@ -407,16 +413,6 @@ class ShardedModule(nn.Module):
         super().__setstate__(state)
         track_optimizers(self)
         track_gradients(self)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        _refuse_traced(self, name)
-        super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            raise _traced_attribute(self, name) from None
 
     # ---- the programs of the current modes ---------------------------------------------------
     @property

@@ -32,7 +32,8 @@ __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
 
 _MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live ShardedModules
 _STEP_HOOK: Optional[Any] = None
-_CHECKED = "_fxshard_checked"  # on an optimizer: the parameter count it was last checked with
+_CHECKED = "_fxshard_checked"  # on an optimizer: (ids of the parameters it was last checked with, weakrefs of the
+#                                   ShardedModules holding some of them)
 _HOOKED = "_fxshard_state_hooks"  # on an optimizer: True once its state-dict hooks are registered
 
 
@@ -56,12 +57,19 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = _params(optimizer)
-    held = {id(p) for p in params}
-    for sm in list(_MODULES):
-        if any(id(p) in held for p in sm.parameters()):
+    ids = tuple(id(p) for p in params)
+    checked = getattr(optimizer, _CHECKED, None)
+    if checked is None or checked[0] != ids:  # first step, or parameters added or replaced since
+        checked = (ids, _check_new(optimizer, params))
+        setattr(optimizer, _CHECKED, checked)
+    for ref in checked[1]:
+        if (sm := ref()) is not None:
             check_gradients(sm)
-    if getattr(optimizer, _CHECKED, None) == len(params):  # checked, and no parameter added since
-        return
+
+
+def _check_new(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list["weakref.ref[Any]"]:
+    """Checks that ``optimizer`` suits the way its ShardedModule parameters are split, and registers its
+    state-dict hooks when it holds some. Returns weakrefs of the ShardedModules it holds parameters of."""
     owners = _owners()
     owned = [owners[id(p)] for p in params if id(p) in owners]
     check_optimizer(optimizer, {fqn: how for sm, fqn in owned if (how := sm._how_split(fqn))})
@@ -69,7 +77,7 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         optimizer.register_state_dict_post_hook(_state_as_dtensors)
         optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
         setattr(optimizer, _HOOKED, True)
-    setattr(optimizer, _CHECKED, len(params))
+    return [weakref.ref(sm) for sm in {id(sm): sm for sm, _ in owned}.values()]
 
 
 def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:

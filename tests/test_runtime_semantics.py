@@ -1,7 +1,8 @@
 """Runtime semantics that must match eager or fail loudly, never silently differ.
 
 * modes: ``sm.train()``/``sm.eval()`` and a submodule's mode are followed (dropout, BatchNorm), in
-  both directions, against the unsharded model (2 gloo ranks);
+  both directions, against the unsharded model, and BatchNorm with ``momentum=None`` (a cumulative
+  average) trains as eager, batch or channels split (2 gloo ranks);
 * values: parameters and buffers come from ``src_data_rank`` (rank 0) like torch's ParallelStyles,
   also through ``init_parameters`` and on a 2x2 mesh, and with ``src_data_rank=None`` replicated
   values that differ raise (2 and 4 gloo ranks, unseeded models);
@@ -335,6 +336,55 @@ def _modes(rank: int, world: int, mesh) -> dict:
     return out
 
 
+class CumulativeBN(nn.Module):
+    """BatchNorm with ``momentum=None``: its running statistics are a cumulative average, whose factor torch
+    computes as a Python number from ``num_batches_tracked`` (torch.export stopped on that before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.net1, self.bn, self.net2 = nn.Linear(16, 32), nn.BatchNorm1d(32, momentum=None), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(torch.relu(self.bn(self.net1(x))))
+
+
+def _cumulative_bn(rank: int, world: int, mesh) -> dict:
+    """CumulativeBN data parallel (batch split) and tensor parallel (channels split), three training steps with
+    different batches then eval, against eager: outputs, gradients, running statistics, batch count (relative errors)."""
+    out: dict = {}
+
+    def _rel(a: torch.Tensor, b: torch.Tensor) -> float:  # gradients of a squared sum reach ~100
+        return _err(a, b) / max(1.0, b.abs().max().item())
+
+    for name, plan, specs in (("data", {}, dict(in_specs=(P("tp", None),), out_specs=P("tp", None))),
+                              ("tensor", TOY_PLAN, {})):
+        ref = CumulativeBN()
+        model = copy.deepcopy(ref)
+        sm = fxshard.shard(model, mesh, plan, example_inputs=(x8(),), **specs)
+        out[f"{name}_restored"] = "forward" not in model.bn.__dict__  # torch's forward again after the trace
+        errs = []
+        for seed in (1, 2, 3, 4):
+            if seed == 4:
+                ref.eval(), sm.eval()
+            x = x8(seed) + 0.5 * seed  # statistics that move between batches
+            for m in (ref, sm):
+                m.zero_grad()
+            r = ref(x)
+            s = sm(x.chunk(world)[rank] if specs else x)
+            r.square().sum().backward()
+            s.square().sum().backward()
+            full = sm.full_state_dict()
+            errs.append(max(_rel(s, r.chunk(world)[rank] if specs else r),
+                            *(_rel(full[k].float(), v.float()) for k, v in ref.state_dict().items())))
+            errs.append(max(_rel(sm._dtensor(n, p.grad).full_tensor(), ref.get_parameter(n).grad)
+                            for n, p in sm.named_parameters()))
+        out[name] = max(errs)
+        out[f"{name}_batches"] = int(sm.bn.num_batches_tracked)
+    return out
+
+
 def _unseeded(rank: int) -> nn.Module:
     torch.manual_seed(100 + rank)  # a different model on every rank, as an unseeded init gives
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
@@ -455,7 +505,7 @@ def _semantics(rank: int, world: int, path: str) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     return {"modes": _modes(rank, world, mesh), "values": _values(rank, world, mesh),
             "unfilled": _unfilled(rank, world, mesh, path), "jit": _jit_constrain(rank, world, mesh),
-            "inputs": _inputs(rank, world, mesh)}
+            "inputs": _inputs(rank, world, mesh), "cumulative_bn": _cumulative_bn(rank, world, mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -470,6 +520,14 @@ def test_modes_follow_the_module_in_both_directions(semantics):
         for step in ("train", "eval", "train_again", "drop1_eval", "bn_eval_too", "sharded_in_eval", "then_train",
                      "state", "state_after_eval_then_train"):
             assert modes[step] <= TOL, (step, modes)
+
+
+def test_batch_norm_with_cumulative_average_trains_as_eager(semantics):
+    for res in semantics:
+        got = res["cumulative_bn"]
+        assert got["data"] <= TOL and got["tensor"] <= TOL, got
+        assert got["data_batches"] == got["tensor_batches"] == 3, got  # three training calls, the eval one not
+        assert got["data_restored"] and got["tensor_restored"], got
 
 
 def test_values_come_from_rank_0_by_default(semantics):

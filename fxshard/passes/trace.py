@@ -40,6 +40,7 @@ from torch.export.graph_signature import ConstantArgument, InputKind
 from torch.utils import _pytree as pytree
 
 from ..constrain import constraint_scope, record
+from ..cumulative_bn import cumulative_batch_norm_traceable
 from ..custom_grads import custom_gradients_checked
 from ..errors import ShardingError
 from ..forward_state import forward_state_unchanged, warn_traced_hooks
@@ -532,8 +533,8 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
                         "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on "
                         "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok():
         warn_traced_hooks(model)
-        with _boundary_hooks(model, boundaries), custom_gradients_checked(model), \
-                forward_state_unchanged(model) as state:
+        with cumulative_batch_norm_traceable(model), _boundary_hooks(model, boundaries), \
+                custom_gradients_checked(model), forward_state_unchanged(model) as state:
             ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                      strict=False)
         state.check_constants(ep.constants)
