@@ -271,7 +271,10 @@ def _mark_stop_gradients(gm: fx.GraphModule) -> None:
             if n.op != "call_function":
                 continue
             if n.target is aten.detach.default:
-                n.target = _STOP
+                if _written_through(n) is None:
+                    n.target = _STOP
+                else:  # an in-place write to the detached alias is one to its source: keep them one tensor
+                    _check_write_through_detach(n)
             elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled and n.args[0] is False:
                 for out in list(n.users):
                     with g.inserting_after(out):
@@ -279,6 +282,41 @@ def _mark_stop_gradients(gm: fx.GraphModule) -> None:
                     stop.meta.update(out.meta)
                     out.replace_all_uses_with(stop, delete_user_cb=lambda u, stop=stop: u is not stop)
         mod.recompile()
+
+
+def _written_through(node: fx.Node) -> Optional[fx.Node]:
+    """The first op that writes ``node``'s storage in place, directly or through views of it, or None."""
+    todo, seen = [node], {node}
+    while todo:
+        x = todo.pop()
+        for u in x.users:
+            if u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload):
+                continue
+            schema = u.target._schema
+            given = dict(zip((a.name for a in schema.arguments), u.args)) | dict(u.kwargs)
+            for a in schema.arguments:
+                if given.get(a.name) is not x or a.alias_info is None:
+                    continue
+                if a.alias_info.is_write:
+                    return u
+                if u not in seen and any(r.alias_info is not None and r.alias_info.before_set
+                                         & a.alias_info.before_set for r in schema.returns):
+                    seen.add(u)  # a view of it
+                    todo.append(u)
+    return None
+
+
+def _check_write_through_detach(node: fx.Node) -> None:
+    """Requires: an op writes ``node`` (a ``detach``) in place. Ensures: ShardingError unless its source is a
+    graph input (a parameter, buffer or input: the write is then traced as that input's update, which
+    ``trace_forward`` accepts for buffers and refuses for the others)."""
+    if node.args[0].op == "placeholder":
+        return
+    writer = _written_through(node)
+    raise ShardingError(
+        f"forward writes a detached tensor in place ({writer.target} at {source_line(writer) or 'an unknown line'}): "
+        f"in eager that changes the value it was detached from without recording it for autograd, which one "
+        f"traced program cannot reproduce; compute a new tensor (out-of-place) instead")
 
 
 def _decomposed(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[int]]:
@@ -289,6 +327,26 @@ def _decomposed(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[i
     before ``gm``'s outputs), at about half its cost (it traces the program twice and collects every
     CompositeImplicitAutograd op per call). Where it can, one distinct op at a time
     (``fxshard/trace_by_op.py``; the same graph)."""
+    with _recurrent_per_step(gm):
+        return _decomposed_here(gm, table)
+
+
+_RECURRENT = (aten.lstm.input, aten.lstm.data)
+
+
+def _recurrent_per_step(gm: fx.GraphModule) -> Any:
+    """oneDNN off while ``gm``'s LSTMs are decomposed: torch's decomposition picks ``mkldnn_rnn_layer`` for an
+    LSTM on CPU whose input needs no gradient, as in the forward trace; that kernel has no sharding rule,
+    and its backward needs a workspace the traced forward does not keep (an LSTM's backward failed with a
+    bare RuntimeError). Without it the decomposition is per time step, every op has a rule, and the
+    backward is derived like any other's."""
+    if any(n.op == "call_function" and n.target in _RECURRENT for m in gm.modules() if isinstance(m, fx.GraphModule)
+           for n in m.graph.nodes):
+        return torch.backends.mkldnn.flags(enabled=False)
+    return contextlib.nullcontext()
+
+
+def _decomposed_here(gm: fx.GraphModule, table: dict) -> tuple[fx.GraphModule, list[int]]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     vals = [n.meta.get("val") for n in placeholders]
     inputs, _, tracing_mode = fake_inputs(vals)
@@ -517,6 +575,25 @@ def _boundary_hooks(model: torch.nn.Module, boundaries: Optional[dict]) -> Itera
             h.remove()
 
 
+def _mutation_error(model: torch.nn.Module, spec: Any) -> ShardingError:
+    """Why the forward may not update the input or parameter of ``spec`` in place, and what to do instead."""
+    name = spec.target or spec.arg.name
+    head = f"forward mutates {name!r} ({spec.kind.name}_MUTATION)"
+    if spec.kind != InputKind.PARAMETER:
+        return ShardingError(f"{head}; in-place updates of inputs are not supported: compute the new value and "
+                             f"return it instead")
+    fqn = name.rpartition(".")[0]
+    owner = model.get_submodule(fqn)
+    why = ""
+    if isinstance(owner, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and owner.max_norm is not None:
+        why = (f" ({type(owner).__name__} {fqn!r} has max_norm={owner.max_norm}: its forward renormalizes the rows it "
+               f"looks up in place; set max_norm=None, or scale the rows in the forward out-of-place)")
+    return ShardingError(
+        f"{head}{why}; a sharded program does not update parameters while it runs (each rank holds pieces, and "
+        f"the optimizer updates them): change the parameter outside the forward, e.g. under torch.no_grad() after "
+        f"optimizer.step(), or compute the changed value as a new tensor in the forward")
+
+
 def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None,
                   boundaries: Optional[dict] = None) -> Traced:
     """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc).
@@ -591,10 +668,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         if spec.kind == InputKind.BUFFER:
             mutations.append(spec.target)
         else:
-            raise ShardingError(
-                f"forward mutates {spec.target or spec.arg.name!r} ({spec.kind.name}_MUTATION); in-place updates of "
-                f"inputs or parameters are not supported: compute the new value and return it instead"
-            )
+            raise _mutation_error(model, spec)
 
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in DROP:
