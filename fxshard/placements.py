@@ -155,6 +155,9 @@ class P(tuple):
     def __repr__(self) -> str:
         return "P(" + ", ".join(repr(e) for e in self) + ")"
 
+    def __getnewargs__(self) -> tuple:
+        return tuple(self)  # pickle and copy call P(*entries), not P(entries)
+
     def axes_of(self, dim: int) -> tuple[str, ...]:
         """The mesh axes that split tensor dim ``dim`` (empty when unsplit)."""
         if dim >= len(self) or self[dim] is None:

@@ -52,3 +52,18 @@ def test_every_name_the_readme_documents_exists():
             except ImportError:
                 missing.append(name)
     assert not missing, missing
+
+
+def test_specs_survive_copy_and_pickle():
+    """A plan is passed to spawned ranks (pickled) and copied with configs: ``P`` used to unpickle as one
+    tuple entry and raise its own 'neither None, a mesh axis name...' ShardingError."""
+    import copy
+    import pickle
+
+    from fxshard import P
+    from fxshard.placements import Packed
+
+    plan = {"a": P("tp", None), "b": P(("dp", "tp"), None), "c": P(Packed("tp", 2), None), "d": P()}
+    for clone in (copy.deepcopy, lambda v: pickle.loads(pickle.dumps(v))):
+        got = clone(plan)
+        assert got == plan and all(type(v) is P for v in got.values()), got
