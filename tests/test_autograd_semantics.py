@@ -188,6 +188,26 @@ def _cases(rank: int, world: int) -> dict:
     out["partial_input"] = {"da": (la.grad - ra.grad).abs().max().item(),
                             "db": (lb.grad - rb.grad).abs().max().item()}
 
+    # a module returning P(sum) terms (a row-parallel linear left unreduced) feeding one that takes them, and
+    # DTensor's from_local taking them: each term's gradient is the whole gradient (it was summed over the ranks,
+    # W x eager's, when a P(sum) output's incoming gradient was read as a term of a sum)
+    torch.manual_seed(0)
+    up, down = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6)), nn.Sequential(nn.Linear(6, 5))
+    su = fxshard.shard(copy.deepcopy(up), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                       example_inputs=(x,), out_specs=Partial())
+    sd = fxshard.shard(copy.deepcopy(down), mesh, {"0": ColwiseParallel()},
+                       example_inputs=(torch.randn(4, 6, requires_grad=True),), in_specs=(Partial(),))
+    ct = torch.randn(4, 5, generator=torch.Generator().manual_seed(6))
+    (sd(su(x)) * ct).sum().backward()
+    (down(up(x)) * ct).sum().backward()
+    out["partial_output_chain"] = {"up": _grad_err(su, up), "down": _grad_err(sd, down)}
+    su.zero_grad(), up.zero_grad()
+    from torch.distributed.tensor import DTensor
+    whole = DTensor.from_local(su(x), mesh, [Partial()]).full_tensor()
+    (whole * ct[:, :1]).sum().backward()
+    (up(x) * ct[:, :1]).sum().backward()
+    out["partial_output_dtensor"] = _grad_err(su, up)
+
     # a plain tensor attribute through a train -> eval switch; compiled, through train -> eval
     torch.manual_seed(0)
     ref, sm = pair(_Mlp(attr=True), (x,))
@@ -274,6 +294,12 @@ def test_requires_grad_changed_after_shard_trains_the_weight(cases):
 def test_a_partial_sum_input_gets_the_whole_gradient_on_every_rank(cases):
     for r in cases:
         assert r["partial_input"]["da"] <= TOL and r["partial_input"]["db"] <= TOL, r["partial_input"]
+
+
+def test_a_partial_sum_output_takes_the_whole_gradient_of_its_terms(cases):
+    for r in cases:
+        assert max(r["partial_output_chain"].values()) <= TOL, r["partial_output_chain"]
+        assert r["partial_output_dtensor"] <= TOL, r["partial_output_dtensor"]
 
 
 def test_mode_switches_keep_tensor_attributes_and_work_compiled(cases):

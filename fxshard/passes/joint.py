@@ -220,22 +220,26 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
                  _reaches(fwd_gm, needs_grad, diff_in, {i: out_leaves[i] for i in grad_out}))
 
 
-def _gradient_layout(layout: Optional[tuple[Pl, ...]], slot: Any) -> Optional[tuple[Pl, ...]]:
-    """The layout a primal's gradient is returned in: the primal's own, except that a term of a sum over an axis
-    (``P(sum)``) gets the whole gradient there (``R``: d(sum)/d(term) is 1 on every rank, as DTensor's
-    ``from_local`` gives). A ``P(max)``/``P(min)`` primal's gradient would depend on which rank holds the extreme:
-    a ShardingError."""
+def _gradient_layout(layout: Optional[tuple[Pl, ...]], what: str) -> Optional[tuple[Pl, ...]]:
+    """The layout of the gradient of a value laid out ``layout`` (``what`` names it: a primal, or a module output
+    whose incoming gradient this is): its own, except that a term of a sum over an axis (``P(sum)``) has the whole
+    gradient there (``R``: d(sum)/d(term) is 1 on every rank, as DTensor's ``from_local`` gives), so a module
+    taking a ``P(sum)`` input hands back what a module returning a ``P(sum)`` output takes. A ``P(max)``/``P(min)``
+    value's gradient would depend on which rank holds the extreme: a ShardingError."""
     if layout is None or not any(isinstance(p, Part) for p in layout):
         return layout
     other = [p for p in layout if isinstance(p, Part) and p.op != "sum"]
     if other:
-        what = f"input {slot.index}" if slot.kind == "input" else " / ".join(slot.names)
         raise ShardingError(
             f"{what} is laid out {other[0]!r} (each rank holds a candidate; the value is their {other[0].op}) and needs a "
-            f"gradient, which fxshard does not compute for a partial {other[0].op}; reduce it before passing it (an "
-            f"all-reduce, then in_specs replicated), or pass it without requires_grad"
+            f"gradient, which fxshard does not compute for a partial {other[0].op}; lay it out reduced instead "
+            f"(replicated or split in in_specs / out_specs), or let it need no gradient"
         )
     return tuple(R if isinstance(p, Part) else p for p in layout)
+
+
+def _slot_name(slot: Any) -> str:
+    return f"input {slot.index}" if slot.kind == "input" else " / ".join(slot.names)
 
 
 def _reaches(fwd_gm: fx.GraphModule, needs_grad: dict[fx.Node, bool], diff_in: list[int],
@@ -432,8 +436,8 @@ def joint_context(traced: Traced, ctx: ShardContext, joint: Joint, bucket_mb: Op
             jctx.seeds[j] = ctx.seeds[f]
     k = len(ctx.mesh.sizes)
     for t, i in zip(joint_ph[joint.n_primals:], joint.diff_out):
-        jctx.seeds[t] = ctx.out_required[i] or (R,) * k
-    jctx.out_required = list(ctx.out_required) + [_gradient_layout(ctx.seeds.get(fwd_ph[i]), traced.slots[i])
+        jctx.seeds[t] = _gradient_layout(ctx.out_required[i], f"output {i}") or (R,) * k
+    jctx.out_required = list(ctx.out_required) + [_gradient_layout(ctx.seeds.get(fwd_ph[i]), _slot_name(traced.slots[i]))
                                                   for i in joint.diff_in]
     if bucket_mb:
         jctx.bucketed = frozenset(range(len(ctx.out_required), len(jctx.out_required)))
