@@ -52,15 +52,24 @@ def chunk_start(spec: Spec, dim: int, ctx: ShardContext) -> tuple[Any, Any]:
     return idx * ld, ld
 
 
-def shifted_index(e: Emitter, node: fx.Node, table: fx.Node, idx: fx.Node, dim: int, ctx: ShardContext
-                  ) -> tuple[fx.Node, fx.Node]:
-    """(index into this rank's range of a table split on ``dim`` with misses set to 0, miss mask)."""
+def shifted_index(e: Emitter, node: fx.Node, table: fx.Node, idx: fx.Node, dim: int, ctx: ShardContext,
+                  *, negative_wraps: bool = False) -> tuple[fx.Node, fx.Node]:
+    """(index into this rank's range of a table split on ``dim`` with misses set to 0, miss mask).
+
+    Requires static global and local sizes of ``dim``. With ``negative_wraps``, an index in
+    ``[-size, 0)`` counts from the end of the global dim, as eager ``index_put`` and ``x[idx]`` read it
+    (wrapping against this rank's size would pick the wrong row); otherwise a negative index is a miss
+    on every rank.
+    """
     spec = table.meta[META_KEY]
     start, ld = chunk_start(spec, dim, ctx)
-    if not is_concrete(ld):
+    size = spec.shape[dim]
+    if not is_concrete(ld) or (negative_wraps and not is_concrete(size)):
         raise ShardingError(f"{node.name}: a symbolic split size in a masked lookup is not supported; "
                             f"give the split table dim a static size")
     ld = int(ld)
+    if negative_wraps:
+        idx = e.op(aten.where.self, e.op(aten.lt.Scalar, idx, 0), e.op(aten.add.Scalar, idx, int(size)), idx)
     shifted = e.op(aten.sub.Tensor, idx, int(start))
     miss = e.op(aten.logical_or.default, e.op(aten.lt.Scalar, shifted, 0), e.op(aten.ge.Scalar, shifted, ld))
     return e.op(aten.masked_fill.Scalar, shifted, miss, 0), miss

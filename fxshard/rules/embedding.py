@@ -49,7 +49,8 @@ def _masked_gather(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int
 def _masked_index_put(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
     """``index_put(self, [idx], values, accumulate=True)``: add zeros for misses."""
     e = Emitter(g, node, {})
-    safe, miss = shifted_index(e, node, tensor_inputs(node)[0], node.args[1][0], 0, ctx)
+    # eager index_put reads a negative index from the end of the dim (embedding, gather, scatter_add reject it)
+    safe, miss = shifted_index(e, node, tensor_inputs(node)[0], node.args[1][0], 0, ctx, negative_wraps=True)
     values = node.args[2]
     extra = len(values.meta["val"].shape) - len(node.args[1][0].meta["val"].shape)
     for _ in range(extra):  # broadcast the index-shaped mask over the rows of values
