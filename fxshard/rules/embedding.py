@@ -61,12 +61,22 @@ def _masked_index_put(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[
 
 def _masked_scatter_add(g: fx.Graph, node: fx.Node, ctx: ShardContext, axes: list[int]) -> None:
     """``scatter_add(self, dim, idx, src)``: add zeros for misses."""
-    x = tensor_inputs(node)[0]
+    x, idx = tensor_inputs(node)[0], node.args[2]
     dim = norm_dim(node.args[1], len(x.meta[META_KEY].shape))
     e = Emitter(g, node, {})
-    safe, miss = shifted_index(e, node, x, node.args[2], dim, ctx)
+    safe, miss = shifted_index(e, node, x, idx, dim, ctx)
     set_arg(node, 2, safe)
-    set_arg(node, 3, e.op(aten.masked_fill.Scalar, node.args[3], miss, 0.0))
+    set_arg(node, 3, e.op(aten.masked_fill.Scalar, _leading_part(e, node.args[3], idx), miss, 0.0))
+
+
+def _leading_part(e: Emitter, src: fx.Node, idx: fx.Node) -> fx.Node:
+    """``src[:idx.shape[0], :idx.shape[1], ...]``: the part a scatter reads (torch allows an index smaller
+    than ``src`` on any dim). Requires both replicated (their local shapes are their global ones)."""
+    want = idx.meta[META_KEY].shape
+    for d, (have, size) in enumerate(zip(src.meta[META_KEY].shape, want)):
+        if not equal(have, size):
+            src = e.op(aten.slice.Tensor, src, d, 0, e.size(idx, d, size))
+    return src
 
 
 MASKED_EMBEDDING = Lowering("masked_embedding", _masked_embedding)
