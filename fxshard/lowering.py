@@ -54,25 +54,28 @@ def chunk_start(spec: Spec, dim: int, ctx: ShardContext) -> tuple[Any, Any]:
 
 def shifted_index(e: Emitter, node: fx.Node, table: fx.Node, idx: fx.Node, dim: int, ctx: ShardContext,
                   *, negative_wraps: bool = False) -> tuple[fx.Node, fx.Node]:
-    """(index into this rank's range of a table split on ``dim`` with misses set to 0, miss mask).
+    """(index into this rank's range of a table split on ``dim``, miss mask).
 
     Requires static global and local sizes of ``dim``. With ``negative_wraps``, an index in
     ``[-size, 0)`` counts from the end of the global dim, as eager ``index_put`` and ``x[idx]`` read it
-    (wrapping against this rank's size would pick the wrong row); otherwise a negative index is a miss
-    on every rank.
+    (wrapping against this rank's size would pick the wrong row). Ensures: a miss (in the global range,
+    on another rank) becomes 0; an index outside the global range stays as given, which is outside
+    this rank's range too, so the local op raises on it as eager does rather than every rank skipping it.
     """
     spec = table.meta[META_KEY]
     start, ld = chunk_start(spec, dim, ctx)
     size = spec.shape[dim]
-    if not is_concrete(ld) or (negative_wraps and not is_concrete(size)):
+    if not (is_concrete(ld) and is_concrete(size)):
         raise ShardingError(f"{node.name}: a symbolic split size in a masked lookup is not supported; "
                             f"give the split table dim a static size")
-    ld = int(ld)
+    ld, size = int(ld), int(size)
+    given = idx
     if negative_wraps:
-        idx = e.op(aten.where.self, e.op(aten.lt.Scalar, idx, 0), e.op(aten.add.Scalar, idx, int(size)), idx)
+        idx = e.op(aten.where.self, e.op(aten.lt.Scalar, idx, 0), e.op(aten.add.Scalar, idx, size), idx)
     shifted = e.op(aten.sub.Tensor, idx, int(start))
     miss = e.op(aten.logical_or.default, e.op(aten.lt.Scalar, shifted, 0), e.op(aten.ge.Scalar, shifted, ld))
-    return e.op(aten.masked_fill.Scalar, shifted, miss, 0), miss
+    outside = e.op(aten.logical_or.default, e.op(aten.lt.Scalar, idx, 0), e.op(aten.ge.Scalar, idx, size))
+    return e.op(aten.where.self, outside, given, e.op(aten.masked_fill.Scalar, shifted, miss, 0)), miss
 
 
 def follow_with(g: fx.Graph, node: fx.Node, target: Any, *args: Any) -> fx.Node:

@@ -288,11 +288,14 @@ def test_localize_masked_embedding_offset_is_per_rank(fake_mesh, rank):
     gm = run_all(gm, ctx)
     emb = ops(gm, aten.embedding.default)[0]
     idx = emb.args[1]
-    assert idx.target is aten.masked_fill.Scalar and idx.meta.get(INSERTED_KEY)
-    shifted = idx.args[0]
+    assert idx.target is aten.where.self and idx.meta.get(INSERTED_KEY)
+    outside, given, safe = idx.args
+    assert safe.target is aten.masked_fill.Scalar  # misses look up row 0 ...
+    shifted = safe.args[0]
     assert shifted.target is aten.sub.Tensor and shifted.args[1] == 32 * rank  # this rank's vocab offset
-    ge = [n for n in gm.graph.nodes if n.target is aten.ge.Scalar and n.args[0] is shifted]
-    assert ge and ge[0].args[1] == 32  # local vocab size
+    assert shifted.args[0] is given  # ... and a token outside the vocab is looked up as given (raises as eager)
+    ge = {n.args[0]: n.args[1] for n in gm.graph.nodes if n.target is aten.ge.Scalar}
+    assert ge[shifted] == 32 and ge[given] == 64  # local and global vocab sizes
     (user,) = emb.users
     assert user.target is aten.masked_fill.Scalar and user.args[2] == 0.0  # misses contribute zero
 
@@ -363,7 +366,7 @@ def test_plan_64_ranks_in_one_process(fake_mesh):
     gm = sm._programs()[0].gm
     heads = [n for n in ops(gm, aten.view.default) if n.meta[META_KEY].shape == (2, 16, 64, 2)]
     assert len(heads) == 3 * n_layers and all(list(n.args[1]) == [2, 16, 1, 2] for n in heads)  # one head per rank
-    shifted = ops(gm, aten.embedding.default)[0].args[1].args[0]
+    shifted = ops(gm, aten.embedding.default)[0].args[1].args[2].args[0]  # where(outside, given, masked_fill(shifted))
     assert shifted.args[1] == rank * (vocab // 64)
 
 

@@ -127,6 +127,28 @@ class _Boost(nn.Module):
         return self.head(x).scatter_add(1, idx, bonus)
 
 
+class _Lookup(nn.Module):
+    """``embedding(idx) * x`` (vocab-split: the masked lookup)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(rows, 8)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.emb(idx) * x
+
+
+class _Pick(nn.Module):
+    """``gather`` from the logits of a linear (class-split when column-parallel: the masked gather)."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(x).gather(1, idx)
+
+
 def _param_grad_err(sm: nn.Module, ref: nn.Module) -> float:
     return max((sm._dtensor(n, p.grad).full_tensor() - ref.get_parameter(n).grad).abs().max().item()
                for n, p in sm.named_parameters())
@@ -231,6 +253,25 @@ def _train_err(mesh, make, plan: dict, x: torch.Tensor, *rest: torch.Tensor) -> 
     return max(errs), _lowerings(sm)
 
 
+def _raises_as_eager(mesh, make, plan: dict, good: tuple, bad: list[tuple]) -> tuple[list, set]:
+    """(for each argument tuple in ``bad``: (eager's error type, the sharded module's), the lowerings the
+    plan used); the module is sharded with the arguments ``good``."""
+    torch.manual_seed(0)
+    ref = make()
+    sm = fxshard.shard(copy.deepcopy(ref), mesh, plan, example_inputs=good)
+    kinds = []
+    for args in bad:
+        got = []
+        for m in (ref, sm):
+            try:
+                m(*args)
+                got.append(None)
+            except (IndexError, RuntimeError) as e:
+                got.append(type(e).__name__ if "out of" in str(e) else repr(e))
+        kinds.append(tuple(got))
+    return kinds, _lowerings(sm)
+
+
 def _masked_cases(rank: int, world: int) -> dict:
     """Masked (split indexed dim) lowerings against eager, each with its replicated twin."""
     mesh = fxshard.init_mesh(tp=world)
@@ -253,13 +294,30 @@ def _masked_cases(rank: int, world: int) -> dict:
             for layout, plan in (("split", {"head.weight": P("tp", None), "head.bias": P("tp")}), ("replicated", {})):
                 res[f"scatter_add/{classes}/{shape}/{layout}"] = _train_err(mesh, lambda: _Boost(classes), plan,
                                                                             x, idx, bonus)
+    # an index outside the global range (or negative where the op rejects it): eager raises, every rank took
+    # it for a miss (zeros, or a dropped write); 17 rows and 11 classes split unevenly
+    x, head = torch.randn(4, 8, generator=gen), {"head.weight": P("tp", None), "head.bias": P("tp")}
+    rows = lambda b: torch.tensor([0, b, 3, 9])  # noqa: E731
+    cols = lambda b: torch.tensor([[0, b, 1]] * 4)  # noqa: E731
+    res["oob/embedding"] = _raises_as_eager(mesh, lambda: _Lookup(17), {"emb.weight": P("tp", None)}, (x, rows(16)),
+                                            [(x, rows(b)) for b in (-1, 17, -18)])
+    res["oob/gather"] = _raises_as_eager(mesh, lambda: _Pick(10), head, (x, cols(2)),
+                                         [(x, cols(b)) for b in (-1, 10, -11)])
+    res["oob/scatter_add"] = _raises_as_eager(mesh, lambda: _Boost(11), head, (x, cols(2), bonus),
+                                              [(x, cols(b), bonus) for b in (-1, 11, -12)])
+    res["oob/index_put"] = _raises_as_eager(mesh, lambda: _Bank(16), {"bank": P("tp", None)}, (x, rows(-1)),
+                                            [(x, rows(b)) for b in (16, -17)])
     return res
 
 
 def test_masked_lowerings_match_eager_on_two_ranks():
     for res in run_ranks(_masked_cases, 2):
-        assert len(res) == 4 + 12, res
+        assert len(res) == 4 + 12 + 4, res
         for name, (err, lowered) in res.items():
+            if name.startswith("oob/"):  # raises the error type eager raises, through the masked lowering
+                assert err and all(k[0] in ("IndexError", "RuntimeError") and k[1] == k[0] for k in err), (name, err)
+                assert f"masked_{name[4:]}" in lowered, (name, lowered)
+                continue
             assert err <= 1e-5, (name, err)
             assert (f"masked_{name.split('/')[0]}" in lowered) == name.endswith("/split"), (name, lowered)
 
