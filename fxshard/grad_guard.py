@@ -9,8 +9,9 @@ first step on; where none of them clips while the full gradient's norm is above 
 rank skips the clipping eager would do. ``sm.clip_grad_norm_`` is the collective that clips as eager.
 
 What is checked: the end of every backward records each gradient's tensor and version
-(``track_gradients``: a post-accumulate-grad hook on each local parameter queues one autograd-engine
-callback, which runs after every other callback of that backward, DDP's gradient copies included).
+(``track_gradients``: a post-accumulate-grad hook on each local parameter, frozen ones too since they may be
+unfrozen later, queues one autograd-engine callback, which runs after every other callback of that backward,
+DDP's gradient copies included).
 At the next optimizer step over the module's parameters, :func:`check_gradients` compares: when some
 gradient was changed in place or replaced since, and not by ``sm.clip_grad_norm_``, it warns once per
 module (fxshard cannot tell what the change was), and compares the gradients of replicated parameters
@@ -67,8 +68,9 @@ def forward_started(sm: Any) -> None:
 
 
 def track_gradients(sm: Any) -> None:
-    """Requires: ``sm``'s local parameters are registered. Ensures: the end of every backward that gives one of
-    them a gradient calls :func:`record_gradients` (module doc)."""
+    """Requires: ``sm``'s local parameters are registered, and this is called once per module (at its creation or
+    copy). Ensures: the end of every backward that gives one of them a gradient calls :func:`record_gradients`
+    (module doc), for parameters frozen now and unfrozen later too."""
     sm.__dict__[_SPLIT] = _split_axes(sm)
     ref = weakref.ref(sm)
 
@@ -88,11 +90,23 @@ def track_gradients(sm: Any) -> None:
             mod.__dict__[_QUEUED] = True
             torch.autograd.Variable._execution_engine.queue_callback(lambda: after_backward(False))
 
-    seen: set[int] = set()
-    for p in sm.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            p.register_post_accumulate_grad_hook(accumulated)
+    for p in sm.parameters():  # once per tensor
+        if (p.is_floating_point() or p.is_complex()) and not p.is_inference():  # the tensors that can require grad
+            _hook_even_if_frozen(p, accumulated)
+
+
+def _hook_even_if_frozen(p: torch.Tensor, hook: Any) -> None:
+    """Registers ``hook`` as ``p``'s post-accumulate-grad hook also when ``p`` is frozen now: it fires once ``p``
+    is unfrozen and trained (a module sharded frozen and fine-tuned later), as a hook registered while it
+    required grad keeps doing after ``requires_grad_(False)``."""
+    if p.requires_grad:
+        p.register_post_accumulate_grad_hook(hook)
+        return
+    p.requires_grad_(True)
+    try:
+        p.register_post_accumulate_grad_hook(hook)
+    finally:
+        p.requires_grad_(False)
 
 
 def check_gradients(sm: Any) -> None:

@@ -304,6 +304,64 @@ def test_clip_grad_norm_clips_by_the_norm_of_the_full_gradients():
         assert edges["replicated"] == "ok" and edges["replicated warnings"] == [], edges
 
 
+def _unfrozen_later(rank: int, world: int) -> dict:
+    """Modules whose parameters were all frozen when they were created and are trained later: one sharded frozen (e.g.
+    for evaluation first), a deep copy of it, and a deep copy of a trainable module made while it was frozen. torch's
+    clip_grad_norm_ over their parameters must raise at the step, untouched; ``sm.clip_grad_norm_`` trains the first
+    as eager, with no warning."""
+    mesh = fxshard.init_mesh(tp=world)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(2)]
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    loss = lambda m, b: 10 * torch.nn.functional.mse_loss(m(b[0]), b[1])  # noqa: E731 - norms above 0.1
+    model = models.ToyModel(16, 32)
+    sm = fxshard.shard(copy.deepcopy(model).requires_grad_(False), mesh, plan, example_inputs=batches[0][:1])
+    trainable = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=batches[0][:1])
+    mods = {"sharded frozen": sm, "its deep copy": copy.deepcopy(sm),
+            "deep copy made frozen": copy.deepcopy(trainable.requires_grad_(False))}
+    out = {}
+    for name, m in mods.items():
+        m.requires_grad_(True)
+        before = m.full_state_dict()
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        loss(m, batches[0]).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)  # this rank's norm of its pieces
+        try:
+            opt.step()
+            out[name] = "no error"
+        except ShardingError as e:
+            out[name] = str(e)
+        out[name + " untouched"] = max((m.full_state_dict()[k] - v).abs().max().item() for k, v in before.items())
+    opt, opt_ref = torch.optim.SGD(sm.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)
+    norms = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for b in batches:
+            for m, o in ((sm, opt), (model, opt_ref)):
+                o.zero_grad()
+                loss(m, b).backward()
+                clip = sm.clip_grad_norm_ if m is sm else lambda bound: torch.nn.utils.clip_grad_norm_(
+                    model.parameters(), bound)
+                norms.append(clip(0.1).item())
+                o.step()
+    out["norms"] = norms
+    out["param_err"] = _max_param_diff(sm.full_state_dict(), model)
+    out["warnings"] = [str(w.message) for w in seen if "fxshard" in str(w.message)]
+    return out
+
+
+def test_the_gradient_check_covers_parameters_unfrozen_after_shard_and_deep_copies():
+    """The check hooked only the parameters requiring grad when the module was created: sharded frozen and trained
+    later, torch's clip over ``sm.parameters()`` trained silently wrong (params 1e-3 off eager, net2.bias differing
+    between ranks by 5.4e-4) instead of raising; the same for a deep copy made while frozen."""
+    for r in run_ranks(_unfrozen_later, 2):
+        for name in ("sharded frozen", "its deep copy", "deep copy made frozen"):
+            assert "net2.bias.grad (rank" in r[name] and "use sm.clip_grad_norm_(max_norm)" in r[name], (name, r[name])
+            assert r[name + " untouched"] == 0.0, r
+        assert all(n > 0.1 for n in r["norms"]) and r["norms"][0::2] == pytest.approx(r["norms"][1::2], rel=1e-5), r
+        assert r["param_err"] <= TOL and r["warnings"] == [], r
+
+
 class _Boom(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor) -> torch.Tensor:
