@@ -13,34 +13,42 @@ DTensors, as for DTensor parameters) and ``load_state_dict()`` takes each such
 entry as a DTensor in any layout, the full tensor, or this rank's piece.
 Without this, DCP took those plain local pieces for replicated copies and kept
 one rank's.
+
+The same step pre-hook checks what fxshard cannot check elsewhere: the optimizer's
+kind (``optim_kinds``), a gradient scaler stepping it (``grad_scaling``, first,
+since a rank whose scaler skipped the step does not get here) and the gradients
+(``grad_guard``).
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .errors import ShardingError
 from .grad_guard import check_gradients
+from .grad_scaling import calling_scaler, check_scaler
 from .optim_kinds import check_optimizer
+from .placements import Replicated
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
 
 _MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live ShardedModules
 _STEP_HOOK: Optional[Any] = None
-_CHECKED = "_fxshard_checked"  # on an optimizer: (ids of the parameters it was last checked with, weakrefs of the
-#                                   ShardedModules holding some of them)
+_CHECKED = "_fxshard_checked"  # on an optimizer: its _Held
 _HOOKED = "_fxshard_state_hooks"  # on an optimizer: True once its state-dict hooks are registered
 
 
 def track_optimizers(sm: Any) -> None:
     """Make every optimizer that holds ``sm``'s parameters present their state as described in the module
     doc. Ensures: a global optimizer step pre-hook (one per process) registers the state-dict hooks on such
-    an optimizer at its first step."""
+    an optimizer at its first step, and checks each step (module doc)."""
     global _STEP_HOOK
     _MODULES.add(sm)
     if _STEP_HOOK is None:
@@ -55,29 +63,53 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What an optimizer holds of ShardedModules, as of the parameters it was last checked with."""
+    ids: tuple[int, ...]  # the ids of its parameters
+    modules: tuple["weakref.ref[Any]", ...]  # the ShardedModules holding some of them
+    split: dict[str, str]  # FQN -> how it is split, for each of them a module split
+    ranks: frozenset[int]  # the ranks holding pieces of those (along the mesh axes that split them)
+    device: str  # the device type of their mesh
+
+
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     params = _params(optimizer)
     ids = tuple(id(p) for p in params)
-    checked = getattr(optimizer, _CHECKED, None)
-    if checked is None or checked[0] != ids:  # first step, or parameters added or replaced since
-        checked = (ids, _check_new(optimizer, params))
-        setattr(optimizer, _CHECKED, checked)
-    for ref in checked[1]:
+    held = getattr(optimizer, _CHECKED, None)
+    if held is None or held.ids != ids:  # first step, or parameters added or replaced since
+        held = _holdings(optimizer, params, ids)
+        setattr(optimizer, _CHECKED, held)
+    # before anything that communicates: a rank whose scaler skipped this step is not here
+    if held.split and (scaler := calling_scaler()) is not None:
+        check_scaler(scaler, optimizer, held.split, held.ranks, held.device)
+    if held.modules and not getattr(optimizer, _HOOKED, False):
+        _hook_state(optimizer)
+    for ref in held.modules:
         if (sm := ref()) is not None:
             check_gradients(sm)
 
 
-def _check_new(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list["weakref.ref[Any]"]:
-    """Checks that ``optimizer`` suits the way its ShardedModule parameters are split, and registers its
-    state-dict hooks when it holds some. Returns weakrefs of the ShardedModules it holds parameters of."""
+def _holdings(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], ids: tuple[int, ...]) -> _Held:
+    """Checks that ``optimizer`` suits the way its ShardedModule parameters are split (no communication), and
+    says which of them it holds."""
     owners = _owners()
     owned = [owners[id(p)] for p in params if id(p) in owners]
-    check_optimizer(optimizer, {fqn: how for sm, fqn in owned if (how := sm._how_split(fqn))})
-    if owned and not getattr(optimizer, _HOOKED, False):
-        optimizer.register_state_dict_post_hook(_state_as_dtensors)
-        optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
-        setattr(optimizer, _HOOKED, True)
-    return [weakref.ref(sm) for sm in {id(sm): sm for sm, _ in owned}.values()]
+    split = {fqn: how for sm, fqn in owned if (how := sm._how_split(fqn))}
+    check_optimizer(optimizer, split)
+    modules = {id(sm): sm for sm, _ in owned}
+    ranks = frozenset(r for sm, fqn in owned if fqn in split
+                      for a, pl in enumerate(sm._placements[fqn]) if not isinstance(pl, Replicated)
+                      for r in dist.get_process_group_ranks(sm._mesh.get_group(a)))
+    device = owned[0][0]._mesh.device_type if owned else "cpu"
+    return _Held(ids, tuple(weakref.ref(sm) for sm in modules.values()), split, ranks, device)
+
+
+def _hook_state(optimizer: torch.optim.Optimizer) -> None:
+    """Registers ``optimizer``'s state-dict hooks."""
+    optimizer.register_state_dict_post_hook(_state_as_dtensors)
+    optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
+    setattr(optimizer, _HOOKED, True)
 
 
 def _by_key(optimizer: torch.optim.Optimizer, sd: dict) -> dict[Any, torch.Tensor]:

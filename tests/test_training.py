@@ -304,6 +304,94 @@ def test_clip_grad_norm_clips_by_the_norm_of_the_full_gradients():
         assert edges["replicated"] == "ok" and edges["replicated warnings"] == [], edges
 
 
+def _overflowing_model() -> torch.nn.Module:
+    """ToyModel whose hidden units 0..15 (rank 0's half of net1 and net2 at tp=2) get ~30x larger gradients: at a loss
+    scale of 2**125 only rank 0's pieces overflow (measured: |grad| 24 vs 0.4 at the first step)."""
+    model = models.ToyModel(16, 32)
+    with torch.no_grad():
+        model.net2.weight[:, :16] *= 30.0
+    return model
+
+
+def _scaled_steps(m, opt, scaler, batches, unscale: bool) -> tuple[list, list]:
+    """The GradScaler loop (``scaler.unscale_`` and torch's exact elementwise clip first, with ``unscale``): which
+    steps the scaler skipped (its scale dropped), and at which this process's gradients held an inf or NaN."""
+    skipped, overflowed = [], []
+    for x, y in batches:
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.mse_loss(m(x), y)).backward()
+        overflowed.append(any(not p.grad.isfinite().all() for p in m.parameters()))
+        if unscale:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_value_(m.parameters(), 1.0)
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+    return skipped, overflowed
+
+
+def _grad_scalers(rank: int, world: int) -> dict:
+    """ShardedGradScaler against torch.amp.GradScaler on the unsharded model when only rank 0's pieces overflow (SGD;
+    SGD with unscale_ and clip_grad_value_, which hung: one rank stepped into the gradient check's collective while
+    the other skipped; fused AdamW, whose step reads found_inf that ShardedGradScaler does not combine unless
+    unscale_ was called); then the scalers that must raise at their first step: torch.amp.GradScaler, and a
+    ShardedGradScaler over a group holding this rank only."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = fxshard.init_mesh(tp=world)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(3)]
+    plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
+    cases = {"sgd": (lambda ps: torch.optim.SGD(ps, lr=0.1), False),
+             "unscale_+clip_grad_value_": (lambda ps: torch.optim.SGD(ps, lr=0.1), True),
+             "fused adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), False)}
+    out = {}
+    for name, (make, unscale) in cases.items():
+        model = _overflowing_model()
+        sm = fxshard.shard(copy.deepcopy(model), mesh, plan, example_inputs=(batches[0][0],))
+        ref, _ = _scaled_steps(model, make(model.parameters()), torch.amp.GradScaler("cpu", init_scale=2.0 ** 125),
+                               batches, unscale)
+        scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 125)
+        got, overflowed = _scaled_steps(sm, make(sm.parameters()), scaler, batches, unscale)
+        out[name] = {"ref": ref, "got": got, "overflowed": overflowed,
+                     "param_err": _max_param_diff(sm.full_state_dict(), model),
+                     "bias": sm.net2.bias.detach().clone()}
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    for name, scaler in (("GradScaler", torch.amp.GradScaler("cpu")),
+                         ("ShardedGradScaler(own group)", ShardedGradScaler("cpu", process_group=own))):
+        sm = fxshard.shard(_overflowing_model(), mesh, plan, example_inputs=(batches[0][0],))
+        before = sm.full_state_dict()
+        try:
+            _scaled_steps(sm, torch.optim.SGD(sm.parameters(), lr=0.1), scaler, batches, True)
+            out[name] = "no error"
+        except ShardingError as e:
+            out[name] = str(e)
+        out[name + " untouched"] = max((sm.full_state_dict()[k] - v).abs().max().item() for k, v in before.items())
+    return out
+
+
+def test_a_grad_scaler_steps_or_skips_on_every_rank_together_or_raises():
+    """torch.amp.GradScaler decided per rank from its pieces of split gradients: with an overflow in rank 0's pieces
+    only, rank 0 skipped steps 0 and 2 while rank 1 took them (params 0.16-0.19 off eager, net2.bias differing
+    between ranks by 0.195, no error), and with unscale_ + clip_grad_value_ rank 1 then waited in the gradient
+    check's collective. It now raises at the first step, naming ShardedGradScaler, which trains as eager."""
+    res = run_ranks(_grad_scalers, 2)
+    for r in res:
+        for name in ("sgd", "unscale_+clip_grad_value_", "fused adamw"):
+            case = r[name]
+            assert any(case["ref"]) and not all(case["ref"]) and case["got"] == case["ref"], (name, case)
+            assert case["param_err"] <= TOL, (name, case)
+        assert "GradScaler.step is stepping SGD, which holds split parameters" in r["GradScaler"], r["GradScaler"]
+        assert "ShardedGradScaler('cpu', ...)" in r["GradScaler"], r["GradScaler"]
+        assert "the scaler's process group holds ranks" in r["ShardedGradScaler(own group)"], r
+        assert r["GradScaler untouched"] == 0.0 and r["ShardedGradScaler(own group) untouched"] == 0.0, r
+    for name in ("sgd", "unscale_+clip_grad_value_", "fused adamw"):
+        assert res[0][name]["overflowed"] != res[1][name]["overflowed"], name  # some overflow is one rank's only
+        assert torch.equal(res[0][name]["bias"], res[1][name]["bias"]), name
+
+
 def _unfrozen_later(rank: int, world: int) -> dict:
     """Modules whose parameters were all frozen when they were created and are trained later: one sharded frozen (e.g.
     for evaluation first), a deep copy of it, and a deep copy of a trainable module made while it was frozen. torch's
