@@ -12,7 +12,9 @@ ShardedModule's parameters presents their state the same way in ``state_dict()``
 DTensors, as for DTensor parameters) and ``load_state_dict()`` takes each such
 entry as a DTensor in any layout, the full tensor, or this rank's piece.
 Without this, DCP took those plain local pieces for replicated copies and kept
-one rank's.
+one rank's. A ``load_state_dict()`` before the first step (a fresh optimizer
+resuming from a checkpoint) stores the entries as given; the first step converts
+them to this rank's pieces the same way before the optimizer reads them.
 
 The same step pre-hook checks what fxshard cannot check elsewhere: the optimizer's
 kind (``optim_kinds``), a gradient scaler stepping it (``grad_scaling``, first,
@@ -48,7 +50,7 @@ _HOOKED = "_fxshard_state_hooks"  # on an optimizer: True once its state-dict ho
 def track_optimizers(sm: Any) -> None:
     """Make every optimizer that holds ``sm``'s parameters present their state as described in the module
     doc. Ensures: a global optimizer step pre-hook (one per process) registers the state-dict hooks on such
-    an optimizer at its first step, and checks each step (module doc)."""
+    an optimizer at its first step (converting state loaded before it), and checks each step (module doc)."""
     global _STEP_HOOK
     _MODULES.add(sm)
     if _STEP_HOOK is None:
@@ -106,7 +108,11 @@ def _holdings(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], ids:
 
 
 def _hook_state(optimizer: torch.optim.Optimizer) -> None:
-    """Registers ``optimizer``'s state-dict hooks."""
+    """Registers ``optimizer``'s state-dict hooks, and converts the state a ``load_state_dict`` before them
+    stored as given (DTensors, full tensors) to this rank's pieces, as the load hook would have."""
+    owners = _owners()
+    loaded = {p: _pieces_of(*owners[id(p)], p, st) for p, st in optimizer.state.items() if id(p) in owners}
+    optimizer.state.update(loaded)  # all or nothing: a wrong entry raised above
     optimizer.register_state_dict_post_hook(_state_as_dtensors)
     optimizer.register_load_state_dict_pre_hook(_state_from_dtensors)
     setattr(optimizer, _HOOKED, True)

@@ -144,20 +144,22 @@ def _torch_api_save(rank: int, world: int, path: str) -> None:
     dcp.save({"model": get_model_state_dict(sm), "optim": get_optimizer_state_dict(sm, opt)}, checkpoint_id=path)
 
 
+def _errors(sm, opt, ref, ref_opt) -> dict:
+    """Max |sharded - eager| of each optimizer state tensor shaped like its parameter, and of the parameters."""
+    names = dict(ref.named_parameters())
+    osd = fxshard.optim_state_dict(sm, opt)
+    err = {f"{fqn}.{k}": (v.full_tensor() - ref_opt.state[names[fqn]][k]).abs().max().item()
+           for fqn, st in osd["state"].items() for k, v in st.items() if isinstance(v, DTensor)}
+    full = sm.full_state_dict()
+    err["params"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    return err
+
+
 def _torch_api_load(rank: int, world: int, path: str) -> dict:
     """At the saving plan and at another: torch's state-dict API through DCP, then a step; then, in memory,
     the saving plan's optimizer ``state_dict()`` into a fresh optimizer at the other plan; all against eager."""
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
-
-    def errors(sm, opt, ref, ref_opt) -> dict:
-        names = dict(ref.named_parameters())
-        osd = fxshard.optim_state_dict(sm, opt)
-        err = {f"{fqn}.{k}": (v.full_tensor() - ref_opt.state[names[fqn]][k]).abs().max().item()
-               for fqn, st in osd["state"].items() for k, v in st.items() if isinstance(v, DTensor)}
-        full = sm.full_state_dict()
-        err["params"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
-        return err
 
     out = {}
     for plan in ("load", "save"):
@@ -167,19 +169,19 @@ def _torch_api_load(rank: int, world: int, path: str) -> dict:
         dcp.load(state, checkpoint_id=path)
         set_model_state_dict(sm, state["model"])
         set_optimizer_state_dict(sm, opt, state["optim"])
-        out[f"dcp at {plan}"] = errors(sm, opt, ref, ref_opt)
+        out[f"dcp at {plan}"] = _errors(sm, opt, ref, ref_opt)
         tok, y = _uneven_batches()[2]
         for m, o in ((sm, opt), (ref, ref_opt)):
             o.zero_grad()
             m(tok, y).backward()
             o.step()
-        out[f"dcp at {plan}, stepped"] = errors(sm, opt, ref, ref_opt)
+        out[f"dcp at {plan}, stepped"] = _errors(sm, opt, ref, ref_opt)
     saver, saver_opt, ref, ref_opt = _uneven_run("save", 2)
     sm, opt, _, _ = _uneven_run("load", 0)
     sm.load_state_dict(saver.state_dict())
     opt.step()  # no gradients, so no change: the first step registers the hooks
     opt.load_state_dict(saver_opt.state_dict())
-    out["in memory"] = errors(sm, opt, ref, ref_opt)
+    out["in memory"] = _errors(sm, opt, ref, ref_opt)
     return out
 
 
@@ -188,6 +190,47 @@ def test_torch_state_dict_api_and_optimizer_state_dict_round_trip_across_uneven_
     replicated copies and kept rank 0's: exp_avg off by 0.07, silently)."""
     run_ranks(_torch_api_save, 2, str(tmp_path))
     for r in run_ranks(_torch_api_load, 2, str(tmp_path)):
+        for what, err in r.items():
+            assert max(err.values()) <= 1e-6, (what, err)
+            assert len(err) == 1 + 2 * 7, (what, err)  # params + exp_avg, exp_avg_sq of 7 parameters
+
+
+def _fresh_optimizer_loads(rank: int, world: int) -> dict:
+    """Resuming into a new AdamW over ``sm.parameters()`` that never stepped, at another plan than the saving one,
+    then two steps, against eager resumed the same way: from the saving optimizer's ``state_dict()`` (DTensors), from
+    eager's (full tensors), and through torch's ``set_optimizer_state_dict`` with gradients left from a backward (it
+    then loads without the step that would have registered fxshard's hooks)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    saver, saver_opt, ref, ref_opt = _uneven_run("save", 2)
+    loads = {"state_dict()": lambda sm, opt: opt.load_state_dict(copy.deepcopy(saver_opt.state_dict())),
+             "eager's state_dict()": lambda sm, opt: opt.load_state_dict(copy.deepcopy(ref_opt.state_dict())),
+             "set_optimizer_state_dict": lambda sm, opt: set_optimizer_state_dict(
+                 sm, opt, copy.deepcopy(get_optimizer_state_dict(saver, saver_opt)))}
+    out = {}
+    for name, load in loads.items():
+        sm, _, _, _ = _uneven_run("load", 0)
+        sm.load_state_dict(saver.state_dict())
+        opt = torch.optim.AdamW(sm.parameters(), lr=1e-2)
+        sm(*_uneven_batches()[0]).backward()  # gradients a resumed loop may leave before loading
+        load(sm, opt)
+        eager = copy.deepcopy(ref)
+        eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+        eager_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))  # load_state_dict keeps the given tensors
+        for tok, y in _uneven_batches()[1:]:
+            for m, o in ((sm, opt), (eager, eager_opt)):
+                o.zero_grad()
+                m(tok, y).backward()
+                o.step()
+        out[name] = _errors(sm, opt, eager, eager_opt)
+    return out
+
+
+def test_a_fresh_optimizer_resumes_from_a_state_dict_loaded_before_its_first_step():
+    """Before: the load hook was registered at an optimizer's first step, so a fresh optimizer stored the loaded
+    DTensors as they were and its first step raised "aten.lerp_.Scalar got mixed torch.Tensor and DTensor" (eager's
+    full tensors raised on their shape). The first step now converts them to this rank's pieces, as the hook does."""
+    for r in run_ranks(_fresh_optimizer_loads, 2):
         for what, err in r.items():
             assert max(err.values()) <= 1e-6, (what, err)
             assert len(err) == 1 + 2 * 7, (what, err)  # params + exp_avg, exp_avg_sq of 7 parameters
