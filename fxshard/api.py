@@ -42,6 +42,7 @@ from .progress import Progress, reporter
 from .remat import Policy, check_policy
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
+from .sources import Layout, is_blank, remember, settle, shared_local
 from .spec import local_shape
 from .symbolic import sym_shape
 
@@ -157,7 +158,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
             keep = replace(req, plan={**dict(plan or {}), **{e.fqn: e.placements for e in report.chosen}}, auto=False,
                            planner=req.planner or "global")
         say("allocating local shards")
-        tensors, unfilled = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
+        tensors, unfilled, origins = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
         modules = _module_tree(model)
         sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                            modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
@@ -173,6 +174,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         say(f"auto: the result needs {fmt_bytes(sm._auto.measured)} per rank, over the budget; planning again "
             f"against {fmt_bytes(req.budget - margin)}")
         req = replace(req, margin=margin)
+    remember(sm, origins, type(model).__name__, unfilled)
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
@@ -416,43 +418,64 @@ def _shard_training(traced: Traced, ctx: ShardContext, wants_grad: list[bool],
 
 
 def _local_tensors(model: nn.Module, traced: Traced, placements: dict, mesh: DeviceMesh, device: torch.device,
-                   src_data_rank: Optional[int]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Local shards of every parameter/buffer, and the names of those that hold no values yet.
+                   src_data_rank: Optional[int]) -> tuple[dict[str, torch.Tensor], list[str], dict[str, tuple]]:
+    """Local tensors of every parameter/buffer, the names of those that hold no values yet, and per name the
+    model's tensor and its ``sources.Layout`` (what ``sources.remember`` takes).
 
-    A real tensor is sliced where it lives and only the shard moves to ``device``; with
-    ``src_data_rank`` set (and a mesh that moves data) the full tensor of that rank is broadcast
-    first, one tensor at a time. A meta tensor becomes a local shard filled with a sentinel (NaN,
-    or the integer maximum) that ``ShardedModule`` reports as unfilled until something writes it;
-    on the fake process group, where nothing runs, shards of meta tensors stay on meta.
+    A tensor of the model that is the source of a live ShardedModule's local tensor gets that same local
+    tensor (``sources.shared_local``: no copy, no broadcast, as it may have trained since); any other gets a
+    new one (``_new_local``).
     """
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(dict(model.named_buffers(remove_duplicate=False)))
     out: dict[str, torch.Tensor] = {}
     unfilled: list[str] = []
+    origins: dict[str, tuple] = {}
     info = MeshInfo.of(mesh)
-    src = src_data_rank if communicates(mesh) else None
+    fake = dist.is_initialized() and dist.get_backend() == "fake"
+    where = f"ShardedModule({type(model).__name__})"
+    settle(named.values())
     for slot in traced.slots:
         if slot.kind not in ("param", "buffer"):
             continue
         name = slot.names[0]
         full = named[name]
-        pls = placements[name]
-        if full.device.type == "meta":
-            shape = [int(s) for s in local_shape(tuple(full.shape), pls, tuple(mesh.shape), info.coords)]
-            if dist.is_initialized() and dist.get_backend() == "fake":
-                local = torch.empty(shape, dtype=full.dtype, device="meta")
-            else:
-                fill = sentinel(full.dtype)
-                local = torch.empty(shape, dtype=full.dtype, device=device)
-                if fill is not None:
-                    local.fill_(fill)
-                if local.numel():
-                    unfilled.append(name)
+        on = "meta" if fake and full.device.type == "meta" else device
+        layout = Layout.of(mesh, placements[name], full.dtype, on)
+        origins[name] = (full, layout)
+        local = shared_local(full, layout, name, where)
+        if local is not None:
+            blank = is_blank(full, local)
         else:
-            with torch.no_grad():
-                source = from_source(full, src, mesh, device) if src is not None else full.detach()
-                # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
-                local = take(source, pls, info).to(device, copy=True)
-                del source
-        out[name] = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
-    return out, unfilled
+            local, blank = _new_local(full, layout, mesh, info, src_data_rank)
+            local = nn.Parameter(local, requires_grad=full.requires_grad) if slot.kind == "param" else local
+        out[name] = local
+        if blank:
+            unfilled.append(name)
+    return out, unfilled, origins
+
+
+def _new_local(full: torch.Tensor, layout: Layout, mesh: DeviceMesh, info: MeshInfo, src_data_rank: Optional[int]
+               ) -> tuple[torch.Tensor, bool]:
+    """This rank's new local tensor of ``full`` laid out per ``layout``, and whether it holds no values yet.
+
+    A real tensor is sliced where it lives and only the shard moves to the layout's device; with
+    ``src_data_rank`` set (and a mesh that moves data) the full tensor of that rank is broadcast first. A meta
+    tensor becomes a local shard filled with a sentinel (NaN, or the integer maximum) that ``ShardedModule``
+    reports as unfilled until something writes it; on the fake process group, where nothing runs, shards of
+    meta tensors stay on meta.
+    """
+    if full.device.type == "meta":
+        shape = [int(s) for s in local_shape(tuple(full.shape), layout.placements, tuple(mesh.shape), info.coords)]
+        local = torch.empty(shape, dtype=full.dtype, device=layout.device)
+        if local.device.type == "meta":
+            return local, False
+        fill = sentinel(full.dtype)
+        if fill is not None:
+            local.fill_(fill)
+        return local, local.numel() > 0
+    src = src_data_rank if communicates(mesh) else None
+    with torch.no_grad():
+        source = from_source(full, src, mesh, layout.device) if src is not None else full.detach()
+        # slice where the full tensor lives, then move only the shard (no full copy on this rank's device)
+        return take(source, layout.placements, info).to(layout.device, copy=True), False

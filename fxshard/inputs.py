@@ -27,6 +27,7 @@ from .errors import ShardingError
 from .mesh import MeshInfo
 from .placements import Pl
 from .replicas import check_replicas
+from .sources import SHARED
 from .spec import local_shape, shard_factor
 from .symbolic import Dim, is_concrete, sym_shape
 
@@ -124,7 +125,8 @@ class InputCheck:
                     raise ShardingError(
                         f"{what} has local size {n}, but the module was sharded for global size "
                         f"{int(r.size)}{split}; pass that size, or declare the dim dynamic with "
-                        f"dynamic_shapes when sharding"
+                        f"dynamic_shapes when sharding, or shard the model again with an example input of this "
+                        f"size ({SHARED})"
                     )
                 continue
             glob = n * r.factor

@@ -30,6 +30,7 @@ from .checkpoint import (
 )
 from .placements import Pl, R
 from .replicas import check_replicas, communicates, from_source, holds_sentinel
+from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
 
 __all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training"]
@@ -502,7 +503,7 @@ class ShardedModule(_StandIn):
                 f"{self._where} was called with {len(args)} positional argument(s) and keyword arguments "
                 f"{sorted(kwargs)}, but it was sharded for {n_want} positional argument(s) and keyword arguments "
                 f"{sorted(kw_want)} (example_inputs/example_kwargs); call it with the arguments forward was "
-                f"sharded with (shard again with other example inputs to change them)"
+                f"sharded with (shard again with other example inputs to change them: {SHARED})"
             )
         pairs = [(f"positional argument {i}", a, want_args.child(i)) for i, a in enumerate(args)]
         pairs += [(f"keyword argument {k!r}", kwargs[k], want_kw.child(j)) for j, k in enumerate(kw_want)]
@@ -532,7 +533,7 @@ class ShardedModule(_StandIn):
                     f"{self._where}: {_arg_name(args, kwargs, pos)} is {_short(flat[pos])}, but the module was sharded "
                     f"with {example!r} there and the traced program computes with that value (torch.export "
                     f"specializes non-tensor arguments); pass {example!r}, pass the value as a tensor, or shard "
-                    f"again with this value in example_inputs")
+                    f"again with this value in example_inputs ({SHARED})")
         leaves = [flat[i] for i in traced.tensor_leaf_positions]
         progs.input_check.check([leaves[s.index] for s in traced.slots if s.kind == "input"], self._mesh)
         feed: list[Any] = []

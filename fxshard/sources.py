@@ -1,0 +1,218 @@
+"""The user's tensors that live ShardedModules' local shards come from (their *sources*), and the local shards
+shared between ShardedModules.
+
+``shard()`` gives every parameter and buffer of a model a new local tensor. One tensor of the user's model can
+reach several ShardedModules: the model sharded twice (for another example input size or Python scalar
+argument, or a training and an eval module), or two modules that share a submodule (an encoder and a decoder
+sharing an ``nn.Embedding``) each sharded. In eager they compute with one tensor and train it once, so here a
+source that already backs a live ShardedModule's local tensor gets that same tensor (:func:`shared_local`), not
+a second copy of the source's values (which are stale once the first module trained): both modules accumulate
+their gradients into one ``.grad`` and an optimizer updates one tensor, as eager. Buffers alike (a BatchNorm's
+running statistics that one module updates, the other reads). Sharing needs one local layout: the same mesh
+(the same ranks in the same positions), placements, dtype and device; a source laid out otherwise raises a
+ShardingError naming both layouts.
+
+Once sharded, the source itself is stale: code outside the ShardedModule that still uses it (a parent module
+sharing an ``nn.Linear`` with the sharded block) would train a tensor the ShardedModule never reads again. A
+post-accumulate-grad hook on each trained source parameter raises a ShardingError when it gets a gradient while a
+ShardedModule holding its local tensor lives (:func:`remember`); the hook goes when the last such module dies.
+
+Only weak references are kept: nothing here keeps a model or a ShardedModule alive. A ShardedModule is a holder
+only if ``shard()`` made it: a copy (``copy.deepcopy(sm)``, a loaded pickle) has new tensors of its own and is
+independent, and FSDP2's ``fully_shard(sm)`` (which registers its own parameters in ``sm``) makes the tensors
+it replaced unsharable (:func:`shared_local` raises rather than share a tensor nothing trains). Not detected:
+``fully_shard`` of one of two ShardedModules that share a tensor already (the other keeps the tensor FSDP2
+replaced; torch's FSDP2 likewise needs a shared parameter in one group), and a source used outside the
+ShardedModule without a gradient (an eval forward of the parent computes with the stale values).
+
+Liveness must be the same on every rank (whether a source is shared decides whether ``shard()`` broadcasts it):
+a ShardedModule that is garbage in a reference cycle is alive until the collector runs, which differs between
+ranks, so :func:`settle` runs a collection before any source is looked up again.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from .errors import ShardingError
+from .placements import Pl, R
+
+__all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "SHARED"]
+
+# what an error message that suggests sharding the model again adds
+SHARED = ("a second ShardedModule of the same model shares its parameters and buffers with the first, so both "
+          "train one tensor each, as the model does")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a local tensor holds its source: the mesh (device type, shape, ranks in mesh order), the placements
+    (one per mesh axis), the local dtype and device. Two local tensors of one source with equal layouts hold
+    the same elements on every rank. ``names`` (the mesh axis names) are for messages only."""
+
+    mesh: tuple
+    placements: tuple[Pl, ...]
+    dtype: torch.dtype
+    device: torch.device
+    names: tuple[str, ...] = field(compare=False, default=())
+
+    @staticmethod
+    def of(mesh: DeviceMesh, placements: tuple[Pl, ...], dtype: torch.dtype, device: torch.device) -> "Layout":
+        names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        return Layout((mesh.device_type, tuple(mesh.shape), ranks), tuple(placements), dtype, torch.device(device),
+                      tuple(names))
+
+    def describe(self) -> str:
+        """E.g. ``S(0) over 'tp' on the mesh {'tp': 2} (ranks [0, 1]), torch.float32 on cpu``."""
+        _, shape, ranks = self.mesh
+        split = ", ".join(f"{pl!r} over {a!r}" for pl, a in zip(self.placements, self.names) if pl != R)
+        return (f"{split or 'replicated'} on the mesh {dict(zip(self.names, shape))} (ranks {list(ranks)}), "
+                f"{self.dtype} on {self.device}")
+
+
+@dataclass
+class _Entry:
+    """One source: ``holders`` are the live ShardedModules whose local tensor of it is registered under a
+    name (the first holder's name and module type, ``name``, name it in messages)."""
+
+    source: "weakref.ref[torch.Tensor]"
+    layout: Layout
+    shape: tuple[int, ...]  # the local tensor's shape on this rank
+    name: str
+    holders: list[tuple["weakref.ref[Any]", str]]
+    hook: Any = None  # the source's post-accumulate-grad hook (None for a buffer or a frozen parameter)
+    blank: Optional[tuple["weakref.ref[torch.Tensor]", int]] = None  # an unfilled local tensor and its version
+
+
+_ENTRIES: dict[int, _Entry] = {}  # id(source) -> entry (the source's weakref tells an id reused after it died)
+
+
+def settle(sources: Iterable[torch.Tensor]) -> None:
+    """Ensures: if some of ``sources`` were sources of a ShardedModule, the garbage collector has run, so that
+    which ShardedModules are alive is the same on every rank (module doc)."""
+    if any((entry := _ENTRIES.get(id(t))) is not None and entry.source() is t for t in sources):
+        gc.collect()
+
+
+def _entry(source: torch.Tensor) -> Optional[_Entry]:
+    """``source``'s entry if a live ShardedModule holds its local tensor (dropping a dead one)."""
+    entry = _ENTRIES.get(id(source))
+    if entry is None:
+        return None
+    entry.holders = [(ref, fqn) for ref, fqn in entry.holders if ref() is not None]
+    if entry.source() is not source or not entry.holders:
+        _drop(id(source), entry)
+        return None
+    return entry
+
+
+def _drop(key: int, entry: _Entry) -> None:
+    """Forget ``entry`` (keyed ``key``) and remove its source's hook."""
+    if entry.hook is not None:
+        entry.hook.remove()
+    if _ENTRIES.get(key) is entry:
+        del _ENTRIES[key]
+
+
+def shared_local(source: torch.Tensor, layout: Layout, name: str, where: str) -> Optional[torch.Tensor]:
+    """The local tensor of ``source`` a live ShardedModule holds, to be registered as is in the module
+    ``shard()`` builds (``where`` names it, ``name`` is the tensor's FQN in it); None if no live module holds one.
+
+    Requires: ``layout`` is how the new module would hold ``source``. Raises a ShardingError when the module
+    that holds it laid it out otherwise, or replaced it since by a tensor of another kind, dtype or shape (e.g.
+    FSDP2's ``fully_shard``, ``sm.half()``): one tensor cannot be held two ways.
+    """
+    entry = _entry(source)
+    if entry is None:
+        return None
+    ref, fqn = entry.holders[0]
+    holder = ref()
+    local = holder._lookup(fqn)
+    first = f"{holder._where} (as {fqn!r})"
+    if layout != entry.layout:
+        raise ShardingError(
+            f"{where}: {name!r} is the same tensor as {entry.name}, which {first} holds already, laid out "
+            f"{entry.layout.describe()}; here it would be {layout.describe()}. The two ShardedModules must share one "
+            f"local tensor to train it once (as eager trains one tensor), and a tensor has one layout: give it the "
+            f"same placement in both plans, on the same mesh, with the model in the same dtype and device. For an "
+            f"independent copy instead (e.g. to compare plans), shard a copy.deepcopy of the model")
+    if isinstance(local, DTensor):
+        raise ShardingError(
+            f"{where}: {name!r} is the same tensor as {entry.name}, whose local tensor {first} held, but FSDP2's "
+            f"fully_shard replaced it there by FSDP2's own sharded parameter, which a second ShardedModule cannot "
+            f"share. Shard the model once and call that module for every use (under FSDP2 a shared parameter "
+            f"belongs to one group, as in torch), or shard a copy.deepcopy of the model for an independent module")
+    if local.dtype != layout.dtype or local.device != layout.device or tuple(local.shape) != entry.shape:
+        raise ShardingError(
+            f"{where}: {name!r} is the same tensor as {entry.name}, whose local tensor {first} holds, laid out "
+            f"{entry.layout.describe()} (shape {list(entry.shape)}); it was replaced or converted there since (now "
+            f"a {local.dtype} tensor of shape {list(local.shape)} on {local.device}), so it no longer matches the "
+            f"model's. Convert the model before shard() (model.to(...)) rather than the ShardedModule, so that "
+            f"every module sharded from it holds it alike, or shard a copy.deepcopy of the model for an "
+            f"independent module")
+    return local
+
+
+def is_blank(source: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether ``local`` (from :func:`shared_local`) is the unfilled tensor ``shard()`` made for a meta-built
+    ``source`` and nothing wrote it since."""
+    entry = _ENTRIES.get(id(source))
+    return (entry is not None and entry.blank is not None and entry.blank[0]() is local
+            and local._version == entry.blank[1])
+
+
+def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: str,
+             blank: Iterable[str] = ()) -> None:
+    """Requires: ``sm`` is the ShardedModule ``shard()`` built from a model of type ``model``, ``sources`` maps
+    each of its parameter/buffer FQNs (one per tensor) to the model's tensor and the layout it has in ``sm``;
+    ``blank`` are the FQNs whose local tensors were made unfilled. Ensures: :func:`shared_local` finds ``sm``'s
+    local tensors while ``sm`` lives, and a source parameter that gets a gradient meanwhile raises (module
+    doc)."""
+    blank = set(blank)
+    for fqn, (source, layout) in sources.items():
+        key = id(source)
+        entry = _entry(source)
+        if entry is None:
+            local = sm._lookup(fqn)
+            entry = _Entry(weakref.ref(source), layout, tuple(local.shape), f"{fqn!r} of {model}", [])
+            if fqn in blank:
+                entry.blank = (weakref.ref(local), local._version)
+            if isinstance(source, torch.nn.Parameter) and source.requires_grad:
+                entry.hook = source.register_post_accumulate_grad_hook(_stale_source_trained)
+            _ENTRIES[key] = entry
+        entry.holders.append((weakref.ref(sm, lambda _, key=key: _forget(key)), fqn))
+
+
+def _forget(key: int) -> None:
+    """A holder of source ``id == key`` died: drop the entry (and the hook) if it was the last."""
+    entry = _ENTRIES.get(key)
+    if entry is None:
+        return
+    entry.holders = [(ref, fqn) for ref, fqn in entry.holders if ref() is not None]
+    if not entry.holders:
+        _drop(key, entry)
+
+
+def _stale_source_trained(source: torch.Tensor) -> None:
+    """The post-accumulate-grad hook of a source parameter: it got a gradient, so something trains it (module
+    doc). Raises a ShardingError."""
+    entry = _ENTRIES.get(id(source))
+    if entry is None or entry.source() is not source:
+        return
+    holders = [(ref(), fqn) for ref, fqn in entry.holders]
+    held = ", ".join(f"{sm._where} (as {fqn!r})" for sm, fqn in holders if sm is not None)
+    raise ShardingError(
+        f"{entry.name} got a gradient, but fxshard.shard() made it the source of the local tensor of {held}, "
+        f"which trains that local tensor and never reads this one again: training both would untie them "
+        f"silently (eager trains one tensor). Code outside the ShardedModule still uses the original, e.g. a "
+        f"parent module sharing this submodule with the sharded one (model.block = fxshard.shard(model.block, "
+        f"...)). Shard the module that owns every use of it (the parent), or move the shared use inside the "
+        f"sharded module; for an unsharded reference model, train a copy.deepcopy made before shard()")
