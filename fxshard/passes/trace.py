@@ -8,7 +8,8 @@ constants, then the flattened tensor leaves of ``(args, kwargs)``; every node
 carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
 ``_softmax``/``_log_softmax`` are decomposed so a split softmax dim becomes
 Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused;
-shape assertions and no-op clones are dropped (the former refer to global sizes).
+shape assertions and no-op clones are dropped (the former refer to global sizes). Ops torch decomposes
+above autograd into a wrong program (``_ABOVE_AUTOGRAD``: the margin losses) are replaced first.
 Export's graph is decomposed by re-tracing it with ``make_fx`` over functional
 fake tensors (``_decomposed``: what ``run_decompositions`` gives, at half its
 cost); buffers the forward updates in place are its first outputs.
@@ -215,6 +216,71 @@ def _log_ndtr(a: torch.Tensor) -> torch.Tensor:
     t_high = torch.where(low, 1, a) * math.sqrt(0.5)
     return torch.where(low, torch.log(torch.special.erfcx(-t_low) / 2) - t_low * t_low,
                        torch.log1p(-torch.erfc(t_high) / 2))
+
+
+def _multilabel_margin_loss_forward(x: torch.Tensor, target: torch.Tensor, reduction: int
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``multilabel_margin_loss_forward`` as eager computes it: the labels of a sample are its target slots
+    before the first -1; the loss sums ``relu(1 - x[label] + x[c]) / C`` over them and the classes ``c``
+    that are not labels. torch's decomposition keeps the slots after the first -1 (each a hinge against
+    class 0), and its ``clamp_min`` passes a gradient where a term is exactly 0, which eager's does not."""
+    xs, ts = torch.atleast_2d(x), torch.atleast_2d(target)
+    classes = xs.shape[1]
+    idx = torch.arange(classes, device=ts.device)
+    end = torch.amin(torch.where(ts == -1, idx, classes), dim=-1, keepdim=True)
+    valid = idx < end  # [N, slot]
+    labels = torch.where(valid, ts, 0)
+    is_target = (idx == torch.where(valid, ts, -1).unsqueeze(-1)).any(1)  # [N, C]
+    hinge = torch.relu(1.0 - torch.gather(xs, -1, labels).T.unsqueeze(-1) + xs) / classes  # [slot, N, C]
+    per_sample = torch.where(is_target | ~valid.T.unsqueeze(-1), 0, hinge).sum(dim=(0, -1))
+    if reduction == 1:  # torch's Reduction.MEAN
+        loss = per_sample.mean()
+    elif reduction == 2:  # SUM
+        loss = per_sample.sum()
+    else:
+        loss = per_sample.reshape(x.shape[:-1])
+    return loss, is_target.to(x.dtype).reshape(target.shape)
+
+
+def _multilabel_margin_loss(x: torch.Tensor, target: torch.Tensor, reduction: int = 1) -> torch.Tensor:
+    return _multilabel_margin_loss_forward(x, target, reduction)[0]
+
+
+def _multi_margin_loss(x: torch.Tensor, target: torch.Tensor, p: int = 1, margin: float = 1,
+                       weight: Optional[torch.Tensor] = None, reduction: int = 1) -> torch.Tensor:
+    """``multi_margin_loss`` as torch decomposes it, with the hinge a relu: eager's backward passes no
+    gradient where ``margin - x[target] + x[c]`` is exactly 0; ``clamp_min``'s does."""
+    xs, target = torch.atleast_2d(x), torch.atleast_1d(target).unsqueeze(1)
+    z = torch.relu(margin - torch.gather(xs, 1, target) + xs)
+    z = z if p == 1 else z * z
+    if weight is not None:
+        z = z * torch.atleast_1d(weight)[target]
+    z = torch.where(torch.arange(xs.shape[1], device=xs.device) != target, z, 0)
+    if reduction == 1:  # torch's Reduction.MEAN
+        return z.mean()
+    if reduction == 2:  # SUM
+        return z.sum() / z.shape[1]
+    return z.mean(dim=1).reshape(x.shape[:-1])
+
+
+# Ops torch decomposes above autograd (a Python kernel for the Autograd key runs its decomposition before
+# make_fx's table is consulted) into a program that is wrong or differentiates unlike eager: trace_forward
+# points export's nodes of them here.
+_ABOVE_AUTOGRAD = {
+    aten.multilabel_margin_loss.default: _multilabel_margin_loss,  # what export's graph holds
+    aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
+    aten.multi_margin_loss.default: _multi_margin_loss,
+}
+
+
+def _replace_above_autograd(gm: fx.GraphModule) -> None:
+    """Point every node of an op in ``_ABOVE_AUTOGRAD`` (in ``gm`` and its subgraphs) at its replacement."""
+    for mod in gm.modules():
+        if isinstance(mod, fx.GraphModule):
+            for n in mod.graph.nodes:
+                if n.op == "call_function" and n.target in _ABOVE_AUTOGRAD:
+                    n.target = _ABOVE_AUTOGRAD[n.target]
+            mod.recompile()
 
 
 def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
@@ -616,6 +682,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
                                      strict=False)
         state.check_constants(ep.constants)
         _mark_stop_gradients(ep.graph_module)
+        _replace_above_autograd(ep.graph_module)
         gm, mutated = _decomposed(ep.graph_module, decomposition_table(lambda t: _STOP(t)))
 
     sig = ep.graph_signature
