@@ -1,9 +1,14 @@
 """Ops whose torch decomposition differentiates unlike eager (or is wrong) train as eager does.
 
-fxshard's training graph is autograd run over the traced forward. torch decomposes the margin losses
-above autograd: multilabel_margin_loss's decomposition counted the target slots after the first -1 (loss
-57.04 for eager's 2.54), and multi_margin_loss's passed a gradient through hinge terms that are exactly 0.
-fxshard replaces them with decompositions whose autodiff is eager's (``passes/trace.py::_ABOVE_AUTOGRAD``).
+fxshard's training graph is autograd run over the traced forward. Differentiating torch's decomposition
+of these ops gave NaN where eager's gradient is finite (softplus, mish, celu for large inputs; sinc at 0;
+std / std_mean of a constant row; binary_cross_entropy of a saturated sigmoid), other values without
+eager's clamps (binary_cross_entropy, log_ndtr). torch's decomposition of multilabel_margin_loss counted the
+target slots after the first -1 (loss 57.04 for eager's 2.54), and multi_margin_loss's passed a gradient
+through hinge terms that are exactly 0.
+``passes/trace.py::EAGER_DERIVATIVE`` keeps the first kind whole (eager's kernel, eager's derivative
+formula, a sharding rule each); the margin losses get decompositions whose autodiff is eager's
+(``_ABOVE_AUTOGRAD``: torch decomposes them above autograd).
 
 One spawn of 2 gloo ranks checks every op at the inputs that broke it, with nothing split and with a
 column-parallel linear feeding the op (a row-parallel one after it), against the model run unsharded.
@@ -21,7 +26,10 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import P
-from fxshard.passes.trace import _multi_margin_loss, _multilabel_margin_loss_forward
+from fxshard.passes.trace import EAGER_DERIVATIVE, _multi_margin_loss, _multilabel_margin_loss_forward, \
+    decomposition_table, joint_decomposition_table
+from fxshard.registry import lookup
+from fxshard.rules import validate
 from tests.dist_utils import run_ranks
 
 aten = torch.ops.aten
@@ -33,8 +41,46 @@ def _fake_quant(h: torch.Tensor) -> torch.Tensor:
     return h + (h.clamp(-3, 3).round() - h).detach()
 
 
+def _std_norm(h: torch.Tensor) -> torch.Tensor:
+    return (h - h.mean(-1, keepdim=True)) / (h.std(-1, keepdim=True) + 1e-6)
+
+
+def _std_mean_norm(h: torch.Tensor) -> torch.Tensor:
+    std, mean = torch.std_mean(h, -1, keepdim=True)
+    return (h - mean) / (std + 1e-6)
+
+
+# name -> (f(h), scale of the input): lin1 (column-parallel) -> f -> lin2 (row-parallel)
+ACTIVATIONS: dict[str, tuple[Callable, float]] = {
+    "softplus": (F.softplus, 200.0),  # inputs > 88: exp overflows in the branch where() does not take
+    "softplus_beta10": (lambda h: F.softplus(h, beta=10), 20.0),  # beta * x > 88
+    "mish": (F.mish, 200.0),
+    "celu": (lambda h: F.celu(h, alpha=0.5), 60.0),
+    "sinc": (torch.sinc, 1.0),  # at exactly 0 (a zero sample, no bias)
+    # eager's formula in the tail (farther out, below about -100, it is ill-conditioned: an input 1 ulp off
+    # changes eager's own gradient by more than RTOL, so a split matmul before it cannot match closer)
+    "log_ndtr": (torch.special.log_ndtr, 10.0),
+    "std": (_std_norm, 1.0),  # a constant (zero) row: std 0
+    "std_mean": (_std_mean_norm, 1.0),
+}
+NO_BIAS = {"sinc", "std", "std_mean"}  # the zero sample must give exactly 0 before f
+
+
+class _Act(nn.Module):
+    def __init__(self, f: Callable, scale: float, bias: bool) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(8, 16, bias=bias), nn.Linear(16, 4)
+        self.f, self.scale = f, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.f(self.lin1(x * self.scale))).square().mean()
+
+
 # name -> f(logits, y, labels, weight): on 16-class logits of a column-parallel linear (class-split when split)
 LOSSES: dict[str, Callable] = {
+    "bce_mean": lambda h, y, labels, w: F.binary_cross_entropy(torch.sigmoid(h), y),
+    "bce_weight_sum": lambda h, y, labels, w: F.binary_cross_entropy(torch.sigmoid(h), y, weight=w, reduction="sum"),
+    "bce_none": lambda h, y, labels, w: F.binary_cross_entropy(torch.sigmoid(h), y, reduction="none").sum(-1).mean(),
     "multilabel_margin": lambda h, y, labels, w: F.multilabel_margin_loss(h / 40, labels),
     # on the integer grid, so that hinge terms are exactly 0 (margin 1)
     "multi_margin": lambda h, y, labels, w: F.multi_margin_loss(_fake_quant(h / 10), labels[:, 0], weight=w),
@@ -48,19 +94,21 @@ class _Loss(nn.Module):
         self.register_buffer("w", torch.linspace(0.5, 2.0, 16))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # logits beyond +17 (sigmoid == 1.0) and below -27.6 (where eager's 1e-12 clamp acts)
         return self.f(self.lin1(x * 40), y, labels, self.w)
 
 
 class _All(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.act = nn.ModuleDict({k: _Act(f, s, k not in NO_BIAS) for k, (f, s) in ACTIVATIONS.items()})
         self.loss = nn.ModuleDict({k: _Loss(f) for k, f in LOSSES.items()})
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor) -> tuple:
-        return tuple(m(x, y, labels) for m in self.loss.values())
+        return tuple(m(x) for m in self.act.values()) + tuple(m(x, y, labels) for m in self.loss.values())
 
 
-OUTPUTS = [f"loss.{k}" for k in LOSSES]
+OUTPUTS = [f"act.{k}" for k in ACTIVATIONS] + [f"loss.{k}" for k in LOSSES]
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,6 +126,11 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _split_plan() -> dict:
     plan = {}
+    for k in ACTIVATIONS:
+        plan[f"act.{k}.lin1.weight"] = P("tp", None)
+        plan[f"act.{k}.lin2.weight"] = P(None, "tp")
+        if k not in NO_BIAS:
+            plan[f"act.{k}.lin1.bias"] = P("tp")
     for k in LOSSES:
         plan[f"loss.{k}.lin1.weight"], plan[f"loss.{k}.lin1.bias"] = P("tp", None), P("tp")
     return plan
@@ -91,7 +144,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def _train_all(rank: int, world: int) -> dict:
     """Per plan: per output, |sharded - eager| of the value and the largest relative gradient error of the
-    parameters it reaches; the fallbacks."""
+    parameters it reaches; the fallbacks and which kept ops the training forward holds."""
     mesh = fxshard.init_mesh(tp=world)
     torch.manual_seed(0)
     model = _All()
@@ -114,12 +167,14 @@ def _train_all(rank: int, world: int) -> dict:
                     got = sm._dtensor(n, params[n].grad).full_tensor()
                     grad_err = max(grad_err, _rel_err(got, g))
             errs[name] = (_rel_err(out[i], ref[i]), grad_err)
-        res[plan_name] = {"errs": errs, "fallbacks": sorted({f for p in sm._programs() for f in p.fallbacks})}
+        kept = {str(n.target) for p in sm._programs() if p.label == "forward" for n in p.gm.graph.nodes}
+        res[plan_name] = {"errs": errs, "fallbacks": sorted({f for p in sm._programs() for f in p.fallbacks}),
+                          "kept": sorted(kept & {str(op) for op in EAGER_DERIVATIVE})}
     return res
 
 
 def test_traced_gradients_match_eager_on_two_ranks():
-    """Forward values and every gradient as eager at the inputs that broke them, unsplit and split."""
+    """Forward values and every gradient as eager (no NaN) at the inputs that broke them, unsplit and split."""
     for res in run_ranks(_train_all, 2):
         assert res["eager_finite"]  # the comparison is against finite numbers
         for plan in ("empty", "split"):
@@ -127,6 +182,27 @@ def test_traced_gradients_match_eager_on_two_ranks():
             bad = {k: v for k, v in r["errs"].items() if not (v[0] <= RTOL and v[1] <= RTOL)}
             assert not bad, (plan, bad)
             assert not r["fallbacks"], (plan, r["fallbacks"])
+            assert r["kept"] == sorted(str(op) for op in EAGER_DERIVATIVE), (plan, r["kept"])
+
+
+def test_kept_ops_stay_whole_in_both_tables_and_have_rules():
+    forward, joint = decomposition_table(), joint_decomposition_table()
+    for op in EAGER_DERIVATIVE:
+        assert op not in forward and op not in joint, op
+        assert lookup(op) is not None, op  # kept without a rule, it would run replicated
+
+
+@pytest.mark.parametrize("reduction", [0, 1, 2], ids=["none", "mean", "sum"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["", "weight"])
+def test_binary_cross_entropy_rule_matches_the_unsharded_op(reduction, weighted):
+    """Every strategy of the rule on 2 and 3 simulated ranks, uneven splits included (7 and 5 rows)."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.rand(7, 5, generator=g).clamp(1e-3, 1 - 1e-3)
+    y = (torch.rand(7, 5, generator=g) > 0.5).float()
+    args = (p, y, torch.rand(5, generator=g) + 0.5 if weighted else None, reduction)
+    checked, bad = validate.check_call(aten.binary_cross_entropy.default, args, ranks=(2, 3))
+    assert not bad, [f"{m.strategy} n={m.ranks}: {m.error}" for m in bad]
+    assert checked >= 2 * 3  # all-replicated and a split of each dim, per rank count
 
 
 @pytest.mark.parametrize("shape", [(6, 7), (7,)], ids=["batch", "one_sample"])

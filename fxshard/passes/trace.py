@@ -7,7 +7,8 @@ parameter/buffer tensor (tied parameters are one placeholder), lifted
 constants, then the flattened tensor leaves of ``(args, kwargs)``; every node
 carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
 ``_softmax``/``_log_softmax`` are decomposed so a split softmax dim becomes
-Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused;
+Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused and the ops in
+``EAGER_DERIVATIVE`` whole (the joint trace's autograd then applies eager's derivative to them);
 shape assertions and no-op clones are dropped (the former refer to global sizes). Ops torch decomposes
 above autograd into a wrong program (``_ABOVE_AUTOGRAD``: the margin losses) are replaced first.
 Export's graph is decomposed by re-tracing it with ``make_fx`` over functional
@@ -25,7 +26,6 @@ import contextlib
 import functools
 import io
 import logging
-import math
 import os
 import sys
 import traceback
@@ -53,7 +53,7 @@ from .simplify import drop_noop_clones
 aten = torch.ops.aten
 
 __all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table", "joint_decomposition_table",
-           "tracing_errors",
+           "tracing_errors", "EAGER_DERIVATIVE",
            "FUSED_FORWARD", "FUSED_BACKWARD", "FUSED_GRAD_ARGS", "STOP_KEY"]
 
 
@@ -115,26 +115,46 @@ FUSED_BACKWARD = (
 )
 
 
+# Ops kept whole (not decomposed) wherever fxshard traces, so that the joint trace's autograd applies eager's
+# derivative formula to them (derivatives.yaml; the backward ops it calls are decomposed or in FUSED_BACKWARD).
+# Differentiating their decompositions gives other gradients: NaN where an unselected where() branch
+# overflows or divides by zero (0 * inf: softplus and mish for large inputs, celu's exp, sinc at 0, std of
+# a constant row, binary_cross_entropy of a probability of exactly 0 or 1), other values without eager's
+# clamps (binary_cross_entropy's 1e-12, log_ndtr's formula). Each has a sharding rule (rules/pointwise.py,
+# rules/reduction.py).
+EAGER_DERIVATIVE = (
+    aten.softplus.default,
+    aten.mish.default,
+    aten.celu.default,
+    aten.sinc.default,
+    aten.special_log_ndtr.default,
+    aten.std.correction,
+    aten.std_mean.correction,
+    aten.binary_cross_entropy.default,
+)
+
+
 def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
-    """The core-ATen decompositions minus ``FUSED_FORWARD``, plus softmax decompositions, for ``make_fx``.
+    """The core-ATen decompositions minus ``FUSED_FORWARD`` and ``EAGER_DERIVATIVE``, plus softmax
+    decompositions, for ``make_fx``.
 
     Ensures: ``_softmax``/``_log_softmax`` decompose (loss parallel needs a split class dim to become
     Partial max/sum reductions), their row max through ``stop_gradient`` (``detach`` where the tracer
     runs autograd itself, as the joint trace does; the forward's graph marks it with
-    ``fxshard::stop_gradient``); the ops in ``FUSED_FORWARD`` stay fused (they have rules).
+    ``fxshard::stop_gradient``); the ops in ``FUSED_FORWARD`` and ``EAGER_DERIVATIVE`` stay whole (they
+    have rules).
     CompositeImplicitAutograd ops need no entry: below autograd, where ``make_fx`` traces, they run as
     their composite kernels (``torch.export.default_decompositions()`` lists them all for export's
     pre-dispatch graphs, and collecting them costs ~0.2 s per process).
     """
     table = dict(_core_table())
-    for op in FUSED_FORWARD:
+    for op in FUSED_FORWARD + EAGER_DERIVATIVE:
         table.pop(op, None)
     table[aten._softmax.default], table[aten._log_softmax.default] = _softmaxes(stop_gradient)
     table[aten.index_fill.int_Tensor] = _index_fill
     table[aten.index_fill.int_Scalar] = _index_fill
     table[aten.copy.default] = _copy
     table[aten._safe_softmax.default] = _safe_softmax
-    table[aten.special_log_ndtr.default] = _log_ndtr
     return table
 
 
@@ -196,26 +216,14 @@ def _copy(x: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> tor
     return src.to(dtype=x.dtype, device=x.device).expand(x.shape).clone()
 
 
-# The training graph differentiates the decomposed forward. A ``where`` whose unselected branch is
-# infinite there (softmax of a row of -inf, log1p(-1)) turns its zero gradient into 0 * inf = NaN, where
-# eager's own derivative is finite: these decompositions feed each branch only inputs where it is finite.
+# The training graph differentiates the decomposed forward: these replace torch's decompositions with ones
+# whose autodiff is eager's derivative.
 
 def _safe_softmax(x: torch.Tensor, dim: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Softmax along ``dim`` with rows that are all -inf giving 0 (and a 0 gradient, as eager)."""
     empty = (x == float("-inf")).all(dim, keepdim=True)
     out = torch.softmax(x.masked_fill(empty, 0), dim, dtype=dtype)
     return out.masked_fill(empty, 0)
-
-
-def _log_ndtr(a: torch.Tensor) -> torch.Tensor:
-    """``log(ndtr(a))`` by torch's two formulas (``a < 1``: via erfcx; else via log1p), each fed only the
-    inputs it is selected for (elsewhere a harmless 0 or 1)."""
-    a = a if a.is_floating_point() else a.to(torch.get_default_dtype())
-    low = a < 1
-    t_low = torch.where(low, a, 0) * math.sqrt(0.5)
-    t_high = torch.where(low, 1, a) * math.sqrt(0.5)
-    return torch.where(low, torch.log(torch.special.erfcx(-t_low) / 2) - t_low * t_low,
-                       torch.log1p(-torch.erfc(t_high) / 2))
 
 
 def _multilabel_margin_loss_forward(x: torch.Tensor, target: torch.Tensor, reduction: int
@@ -305,8 +313,8 @@ def joint_decomposition_table() -> dict:
     ``fxshard.shard`` and ``fxshard.jit``'s functions (a fresh copy: callers may change it).
 
     Ensures: core ATen plus :func:`decomposition_table` (the table ``trace_forward`` exports with)
-    and ``scatter.value`` as ``scatter_add`` + ``where``, minus ``FUSED_FORWARD`` and
-    ``FUSED_BACKWARD`` (fused kernels with sharding rules stay one node each).
+    and ``scatter.value`` as ``scatter_add`` + ``where``, minus ``FUSED_FORWARD``, ``EAGER_DERIVATIVE``
+    and ``FUSED_BACKWARD`` (kernels with sharding rules stay one node each).
     """
     return dict(_make_fx_table())
 

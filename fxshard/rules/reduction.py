@@ -8,7 +8,8 @@ Partial form, like ``var`` or ``argmax``: then reduced dims stay whole), which P
 through (those the op is linear or monotone in), and how many outputs it has (``max.dim`` gives
 values and indices). A scan (``cumsum``, ``sort``, ``flip``, an FFT) keeps every dim (``unfold`` adds
 one at the end) and only needs the dims it works along whole. The other dims may always be split,
-evenly or not: each rank works on its own slice.
+evenly or not: each rank works on its own slice. ``binary_cross_entropy`` is here too: a loss per element,
+then (unless ``reduction`` is none) summed over every element, or averaged as ``mean`` is.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from ..context import ShardContext
 from ..ir import META_KEY
 from ..lowering import Lowering, follow_with
 from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dims, register, split_outers, tensor_inputs
+from ..registry import OpCall, Strategy, all_r, norm_dims, register, split_outers, tensor_inputs
 from ..spec import can_split, is_uneven
+from .pointwise import split_strategies
 
 aten = torch.ops.aten
 
@@ -94,6 +96,8 @@ REDUCTIONS: dict[Any, Reduce] = {
     aten.var.correction: Reduce(keepdim=(None, "keepdim")),  # var.correction(x, dim=None, *, correction, keepdim)
     aten.var_mean.correction: Reduce(keepdim=(None, "keepdim"), outs=2),
     aten.var.dim: Reduce(keepdim=(3, "keepdim")),  # var.dim(x, dim, unbiased=True, keepdim=False)
+    aten.std.correction: Reduce(keepdim=(None, "keepdim")),
+    aten.std_mean.correction: Reduce(keepdim=(None, "keepdim"), outs=2),
     aten.any.dim: Reduce(),
     aten.any.dims: Reduce(),
     aten.any.default: Reduce(dim=ALL),
@@ -171,3 +175,17 @@ def reduction_rule(call: OpCall, n: int) -> list[Strategy]:
     for op in spec.keep:
         res.append(Strategy((Part(op),) + rest, out(Part(op))))
     return res
+
+
+@register(aten.binary_cross_entropy.default)
+def elementwise_loss_rule(call: OpCall, n: int) -> list[Strategy]:
+    """``binary_cross_entropy(p, target, weight=None, reduction=1)``: a loss per element of ``p`` (``weight``
+    broadcasts to it), then none (0), their mean (1) or their sum (2). A dim split in every input stays split
+    without a reduction; with one, each rank's term of the result is its ``P(sum)`` (a mean's through
+    ``MEAN_AS_SUM``)."""
+    k = len(call.in_shapes)
+    splits = split_strategies(call, n, call.in_shapes[0], range(k))
+    reduction = call.arg(3, "reduction", 1)
+    if reduction != 0:
+        splits = [Strategy(s.inputs, Part("sum"), MEAN_AS_SUM if reduction == 1 else None) for s in splits]
+    return [Strategy(all_r(k), R)] + splits
