@@ -2,10 +2,10 @@
 
 fxshard's training graph is autograd run over the traced forward. Differentiating torch's decomposition
 of these ops gave NaN where eager's gradient is finite (softplus, mish, celu for large inputs; sinc at 0;
-std / std_mean of a constant row; binary_cross_entropy of a saturated sigmoid), other values without
-eager's clamps (binary_cross_entropy, log_ndtr). torch's decomposition of multilabel_margin_loss counted the
-target slots after the first -1 (loss 57.04 for eager's 2.54), and multi_margin_loss's passed a gradient
-through hinge terms that are exactly 0.
+std / std_mean of a constant row; binary_cross_entropy of a saturated sigmoid), other values at kinks
+(hardswish / hardsigmoid at +-3) or without eager's clamps (binary_cross_entropy, log_ndtr). torch's
+decomposition of multilabel_margin_loss counted the target slots after the first -1 (loss 57.04 for
+eager's 2.54), and multi_margin_loss's passed a gradient through hinge terms that are exactly 0.
 ``passes/trace.py::EAGER_DERIVATIVE`` keeps the first kind whole (eager's kernel, eager's derivative
 formula, a sharding rule each); the margin losses get decompositions whose autodiff is eager's
 (``_ABOVE_AUTOGRAD``: torch decomposes them above autograd).
@@ -57,6 +57,8 @@ ACTIVATIONS: dict[str, tuple[Callable, float]] = {
     "mish": (F.mish, 200.0),
     "celu": (lambda h: F.celu(h, alpha=0.5), 60.0),
     "sinc": (torch.sinc, 1.0),  # at exactly 0 (a zero sample, no bias)
+    "hardswish": (lambda h: F.hardswish(_fake_quant(h)), 4.0),  # at exactly +-3
+    "hardsigmoid": (lambda h: F.hardsigmoid(_fake_quant(h)), 4.0),
     # eager's formula in the tail (farther out, below about -100, it is ill-conditioned: an input 1 ulp off
     # changes eager's own gradient by more than RTOL, so a split matmul before it cannot match closer)
     "log_ndtr": (torch.special.log_ndtr, 10.0),

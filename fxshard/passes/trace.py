@@ -119,14 +119,16 @@ FUSED_BACKWARD = (
 # derivative formula to them (derivatives.yaml; the backward ops it calls are decomposed or in FUSED_BACKWARD).
 # Differentiating their decompositions gives other gradients: NaN where an unselected where() branch
 # overflows or divides by zero (0 * inf: softplus and mish for large inputs, celu's exp, sinc at 0, std of
-# a constant row, binary_cross_entropy of a probability of exactly 0 or 1), other values without eager's
-# clamps (binary_cross_entropy's 1e-12, log_ndtr's formula). Each has a sharding rule (rules/pointwise.py,
-# rules/reduction.py).
+# a constant row, binary_cross_entropy of a probability of exactly 0 or 1), other values at kinks
+# (hardswish, hardsigmoid at +-3) or without eager's clamps (binary_cross_entropy's 1e-12, log_ndtr's
+# formula). Each has a sharding rule (rules/pointwise.py, rules/reduction.py).
 EAGER_DERIVATIVE = (
     aten.softplus.default,
     aten.mish.default,
     aten.celu.default,
     aten.sinc.default,
+    aten.hardswish.default,
+    aten.hardsigmoid.default,
     aten.special_log_ndtr.default,
     aten.std.correction,
     aten.std_mean.correction,
