@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.autograd import forward_ad as _forward_ad
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
@@ -616,6 +617,8 @@ class ShardedModule(_StandIn):
                 f"sharded programs as one autograd step that such transforms cannot see into, so they would fail "
                 f"or compute something else. Shard the whole computation with fxshard.jit (torch.func inside the "
                 f"function, as for a gradient penalty), or apply the transform to the unsharded model")
+        if not torch.compiler.is_compiling() and _forward_ad._current_level >= 0:  # inside fwAD.dual_level()
+            _refuse_dual_tensors(self, args, kwargs)
         check_captured(self._captured, f"{self._where}: the forward", fix=_MODULE_FIX)
         forward_started(self)
         progs = self._for_mode()
@@ -870,6 +873,20 @@ class ShardedModule(_StandIn):
                     shape = tuple(int(s) for s in self._global_shapes[name])
                     storage(local).copy_(reader.read(name, pieces, shape))
         self._mark_filled(own)
+
+
+def _refuse_dual_tensors(sm: ShardedModule, args: tuple, kwargs: dict) -> None:
+    """Raise if a call argument, parameter or buffer of ``sm`` carries a forward-mode AD tangent
+    (``torch.autograd.forward_ad.make_dual``). Requires an open dual level (``fwAD.dual_level()``)."""
+    tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    tensors += [*sm.parameters(), *sm.buffers()]
+    if any(_forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        raise ShardingError(
+            f"{sm._where} was called with a forward-mode AD tangent (torch.autograd.forward_ad.make_dual): "
+            f"forward-mode AD through a ShardedModule is not supported, as each rank's program would carry "
+            f"only its part of the tangent through the collectives and return a wrong one. Shard the whole "
+            f"computation with fxshard.jit of a function that calls torch.func.jvp (torch.func.functional_call "
+            f"of the model inside), or take the JVP of the unsharded model")
 
 
 def _state_dict_as_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, local_metadata: Any) -> None:
