@@ -77,10 +77,13 @@ class _RunSharded(torch.autograd.Function):
     def forward(ctx, training: Training, where: str, *primals: Any) -> Any:  # type: ignore[override]
         res = run_program(training.fwd.gm, primals, f"the forward of {where}")
         outs, saved = list(res[: training.n_out]), list(res[training.n_out:])
-        if training.updated:  # a buffer the backward reads is saved as its value now: the module updates it next
+        if training.updated:  # a buffer the backward reads is saved as its value now: it is updated next
             bufs = [primals[i] for i in training.updated]
             saved = [x.clone() if isinstance(x, torch.Tensor) and any(x is b or x._base is b for b in bufs) else x
                      for x in saved]
+            # here, not after apply returns: non-reentrant checkpoint's recompute stops (raises) when the saved
+            # tensors are packed, and eager's recompute updates the buffers (BatchNorm's running statistics)
+            _write_buffers(bufs, outs)
         ctx.training = training
         ctx.where = where
         ctx.tensor_pos = [i for i, x in enumerate(saved) if isinstance(x, torch.Tensor)]
@@ -125,6 +128,14 @@ class _RunSharded(torch.autograd.Function):
             # as eager: no gradient (None, not zeros) for what no output used in the loss reaches
             res[pos] = g if tr.reaches is None or tr.reaches[k] & used else None
         return (None, None, *res)
+
+
+def _write_buffers(buffers: Sequence[torch.Tensor], outs: Sequence[Any]) -> None:
+    """Copy a program's first outputs (the new values of the buffers its forward updates in place, e.g. BatchNorm
+    running statistics, in ``Traced.mutations`` order) into ``buffers`` (the registered tensors, same order)."""
+    with torch.no_grad():
+        for buf, new in zip(buffers, outs):
+            buf.copy_(new)
 
 
 class _StandIn(nn.Module):
@@ -682,14 +693,11 @@ class ShardedModule(_StandIn):
         if tr is not None and torch.is_grad_enabled() and any(
             isinstance(feed[i], torch.Tensor) and feed[i].requires_grad for i in tr.diff_in
         ):
-            outs = _RunSharded.apply(tr, self._where, *feed)
-        else:
-            outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")
+            return tuple(_RunSharded.apply(tr, self._where, *feed))  # it writes the buffers
+        outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")
         mutations = progs.traced.mutations
         if mutations:
-            with torch.no_grad():  # buffers the forward updates (e.g. BatchNorm running statistics)
-                for name, new in zip(mutations, outs[: len(mutations)]):
-                    self._lookup(name).copy_(new)
+            _write_buffers([self._lookup(name) for name in mutations], outs)
         return tuple(outs)
 
     # ---- state ---------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 * modes: ``sm.train()``/``sm.eval()`` and a submodule's mode are followed (dropout, BatchNorm), in
   both directions, against the unsharded model, and BatchNorm with ``momentum=None`` (a cumulative
-  average) trains as eager, batch or channels split (2 gloo ranks);
+  average) trains as eager, batch or channels split; BatchNorm in a sharded block under a parent's
+  ``torch.utils.checkpoint`` updates its statistics in the recompute too, as eager (2 gloo ranks);
 * values: parameters and buffers come from ``src_data_rank`` (rank 0) like torch's ParallelStyles,
   also through ``init_parameters`` and on a 2x2 mesh, and with ``src_data_rank=None`` replicated
   values that differ raise (2 and 4 gloo ranks, unseeded models);
@@ -385,6 +386,53 @@ def _cumulative_bn(rank: int, world: int, mesh) -> dict:
     return out
 
 
+class _BNBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1, self.bn1, self.net2, self.bn2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 16), nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn2(self.net2(torch.relu(self.bn1(self.net1(x)))))
+
+
+class _CheckpointedParent(nn.Module):
+    """An unsharded layer, then a block (sharded in the test) under torch.utils.checkpoint."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp, self.block, self.reentrant = nn.Linear(16, 16), _BNBlock(), reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return h + torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+
+
+def _checkpointed(rank: int, world: int, mesh) -> dict:
+    """A sharded block with BatchNorms (train mode) under a parent's checkpoint: the recompute updates the running
+    statistics again in eager (non-reentrant: its early stop used to cut the sharded recompute before the update),
+    so after two SGD steps the states, losses and gradients must match eager's."""
+    out: dict = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        ref = _CheckpointedParent(reentrant)
+        model = copy.deepcopy(ref)
+        model.block = fxshard.shard(model.block, mesh, TOY_PLAN, example_inputs=(x8().requires_grad_(),))
+        errs = []
+        for m in (ref, model):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for seed in (1, 2):
+                opt.zero_grad()
+                (m(x8(seed) + seed) ** 2).mean().backward()
+                opt.step()
+        full = model.block.full_state_dict()
+        errs += [_err(full[k].float(), v.float()) for k, v in ref.block.state_dict().items()]
+        errs += [_err(model.inp.weight, ref.inp.weight), _err(model.inp.weight.grad, ref.inp.weight.grad)]
+        out[f"reentrant={reentrant}"] = max(errs)
+        out[f"reentrant={reentrant}_batches"] = (int(model.block.bn1.num_batches_tracked),
+                                                int(ref.block.bn1.num_batches_tracked))
+    return out
+
+
 def _unseeded(rank: int) -> nn.Module:
     torch.manual_seed(100 + rank)  # a different model on every rank, as an unseeded init gives
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
@@ -505,7 +553,8 @@ def _semantics(rank: int, world: int, path: str) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     return {"modes": _modes(rank, world, mesh), "values": _values(rank, world, mesh),
             "unfilled": _unfilled(rank, world, mesh, path), "jit": _jit_constrain(rank, world, mesh),
-            "inputs": _inputs(rank, world, mesh), "cumulative_bn": _cumulative_bn(rank, world, mesh)}
+            "inputs": _inputs(rank, world, mesh), "cumulative_bn": _cumulative_bn(rank, world, mesh),
+            "checkpointed": _checkpointed(rank, world, mesh)}
 
 
 @pytest.fixture(scope="module")
@@ -528,6 +577,14 @@ def test_batch_norm_with_cumulative_average_trains_as_eager(semantics):
         assert got["data"] <= TOL and got["tensor"] <= TOL, got
         assert got["data_batches"] == got["tensor_batches"] == 3, got  # three training calls, the eval one not
         assert got["data_restored"] and got["tensor_restored"], got
+
+
+def test_batch_norm_under_a_parents_checkpoint_updates_as_eager(semantics):
+    for res in semantics:
+        got = res["checkpointed"]
+        for reentrant in (False, True):
+            assert got[f"reentrant={reentrant}"] <= TOL, got
+            assert got[f"reentrant={reentrant}_batches"] == (4, 4), got  # two steps, each recomputed once
 
 
 def test_values_come_from_rank_0_by_default(semantics):
