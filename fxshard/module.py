@@ -70,11 +70,28 @@ class Programs:
     input_check: InputCheck
 
 
+@dataclass(frozen=True)
+class _Views:
+    """Differentiable outputs of the forward program that are views of one tensor, the root (as eager's are: an
+    output and ``out.view(...)`` or ``out[:, :4]`` of it, or views of one intermediate). ``_RunSharded`` returns
+    the root at ``slot`` instead (an autograd.Function's outputs that are views cannot be written in place), and
+    ``ShardedModule._run`` rebuilds each member ``(output index, size, stride, storage offset)`` as a view of it,
+    so autograd tracks them as views, as in eager."""
+
+    slot: int
+    members: tuple[tuple[int, tuple[int, ...], tuple[int, ...], int], ...]
+    root: tuple[tuple[int, ...], tuple[int, ...], int]  # the root's size, stride, storage offset
+
+
 class _RunSharded(torch.autograd.Function):
-    """Runs the sharded forward program; its backward runs the sharded backward program."""
+    """Runs the sharded forward program; its backward runs the sharded backward program.
+
+    ``views`` (empty) receives the ``_Views`` groups whose members the caller must rebuild from the returned
+    roots (see ``_Views``); the Function returns ``training.n_out`` outputs (members as None), then the roots
+    that are not outputs themselves."""
 
     @staticmethod
-    def forward(ctx, training: Training, where: str, *primals: Any) -> Any:  # type: ignore[override]
+    def forward(ctx, training: Training, where: str, views: list, *primals: Any) -> Any:  # type: ignore[override]
         res = run_program(training.fwd.gm, primals, f"the forward of {where}")
         outs, saved = list(res[: training.n_out]), list(res[training.n_out:])
         if training.updated:  # a buffer the backward reads is saved as its value now: it is updated next
@@ -98,6 +115,17 @@ class _RunSharded(torch.autograd.Function):
                 outs[i] = o.detach()
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in diff])
         ctx.set_materialize_grads(False)  # None: an output the loss does not use (see backward)
+        ctx.views = []
+        if not torch.compiler.is_compiling():  # under TorchDynamo, AOTAutograd regenerates aliased outputs itself
+            groups = _view_groups(outs, sorted(diff), primals)
+            ctx.views = [group for group, _ in groups]
+            views.extend(ctx.views)
+            for group, root in groups:
+                for member in group.members:
+                    outs[member[0]] = None
+                if group.slot < training.n_out:
+                    outs[group.slot] = root
+            outs += [root for group, root in groups if group.slot >= training.n_out]
         return tuple(outs)
 
     @staticmethod
@@ -113,6 +141,7 @@ class _RunSharded(torch.autograd.Function):
         saved = list(ctx.others)
         for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
             saved[i] = t
+        grad_outs = _member_grads(grad_outs, ctx.views, tr.n_out)
         tangents = []
         for i in tr.diff_out:
             g = grad_outs[i]
@@ -121,13 +150,94 @@ class _RunSharded(torch.autograd.Function):
                 g = torch.zeros(shape, dtype=dtype, device=device)
             tangents.append(g.contiguous())
         grads = run_program(tr.bwd.gm, (*saved, *tangents), f"the backward of {ctx.where}")
-        n_primals = len(ctx.needs_input_grad) - 2
+        n_primals = len(ctx.needs_input_grad) - 3
         res: list[Any] = [None] * n_primals
         used = {i for i, g in enumerate(grad_outs) if g is not None}
         for k, (pos, g) in enumerate(zip(tr.diff_in, grads)):
             # as eager: no gradient (None, not zeros) for what no output used in the loss reaches
             res[pos] = g if tr.reaches is None or tr.reaches[k] & used else None
-        return (None, None, *res)
+        return (None, None, None, *res)
+
+
+def _view_groups(outs: list, diff: Sequence[int], primals: Sequence[Any]) -> list[tuple[_Views, torch.Tensor]]:
+    """Each group of differentiable outputs (``outs[i]`` for ``i`` in ``diff``) that view one root the program
+    made (views of an input are left as they are), with the root. A group's slot is the first output that is
+    the root itself, else the next place past the outputs. Requires ``outs`` as the program returned them."""
+    roots: dict[int, torch.Tensor] = {}
+    for i in diff:
+        o = outs[i]
+        if isinstance(o, torch.Tensor) and o._base is not None and not any(o._base is p for p in primals):
+            roots.setdefault(id(o._base), o._base)
+    groups: list[tuple[_Views, torch.Tensor]] = []
+    extra = len(outs)
+    for root in roots.values():
+        members = [i for i in diff if isinstance(outs[i], torch.Tensor) and (outs[i] is root or outs[i]._base is root)]
+        slot = next((i for i in members if outs[i] is root), None)
+        if slot is None:
+            slot, extra = extra, extra + 1
+        geometry = tuple((i, tuple(outs[i].shape), outs[i].stride(), outs[i].storage_offset()) for i in members)
+        groups.append((_Views(slot, geometry, (tuple(root.shape), root.stride(), root.storage_offset())), root))
+    return groups
+
+
+def _member_grads(grad_outs: Sequence[Any], groups: Sequence[_Views], n_out: int) -> list[Any]:
+    """Per output of the program, the gradient to hand its backward: the Function's own for outputs outside
+    ``groups``; for a group's members, pieces of the gradient of their root (``grad_outs[group.slot]``).
+
+    Requires: each member ``i`` is ``V_i(root)`` for a strided view ``V_i`` (the identity for the root itself).
+    Ensures: ``sum_i V_i^T(piece_i)`` is the root's gradient, so the backward program, linear in its output
+    gradients, gives the inputs' gradients through the root. A root that is an output takes it whole (the
+    other members nothing); else it is split among the members' elements that view each position (the root
+    is not an output then, so its gradient comes only through the members)."""
+    grads = list(grad_outs[:n_out])
+    for group in groups:
+        for (i, *_), piece in zip(group.members, _split_root_grad(grad_outs[group.slot], group)):
+            grads[i] = piece
+    return grads
+
+
+def _split_root_grad(g: Optional[torch.Tensor], group: _Views) -> list[Optional[torch.Tensor]]:
+    """``g`` (the gradient of ``group``'s root, or None) as pieces per member (see ``_member_grads``)."""
+    if g is None:
+        return [None] * len(group.members)
+    if group.slot in [i for i, *_ in group.members]:
+        return [g if i == group.slot else None for i, *_ in group.members]
+    shape, stride, offset = group.root
+    start = min(offset, *(off for *_, off in group.members))
+    views = [(size, st, off - start) for _, size, st, off in group.members]
+    span = max(offset - start + _extent(shape, stride), *(off + _extent(size, st) for size, st, off in views))
+    if start == offset and span == g.numel() and g.is_contiguous() and g.stride() == tuple(stride):
+        flat = g.view(-1)  # laid out as the root: storage position p holds flat[p - offset]
+    else:
+        flat = g.new_zeros(span)
+        flat.as_strided(shape, stride, offset - start).copy_(g)
+    if len(views) == 1 and _no_self_overlap(*views[0][:2]):
+        return [flat.as_strided(*views[0])]
+    count = g.new_zeros(span)  # how many members' elements view each position
+    for size, st, off in views:
+        if _no_self_overlap(size, st):
+            count.as_strided(size, st, off).add_(1)
+        else:
+            index = torch.arange(span, device=g.device).as_strided(size, st, off).reshape(-1)
+            count.index_add_(0, index, torch.ones(index.numel(), dtype=g.dtype, device=g.device))
+    flat = flat / count.clamp(min=1)
+    return [flat.as_strided(size, st, off) for size, st, off in views]
+
+
+def _extent(size: Sequence[int], stride: Sequence[int]) -> int:
+    """How many storage elements a strided view spans (0 if it is empty)."""
+    return 0 if 0 in size else 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def _no_self_overlap(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """True if no two elements of the strided view share a storage position (a sufficient test: each
+    stride, smallest first, passes the span of the smaller ones)."""
+    reach = 0
+    for st, n in sorted((st, n) for n, st in zip(size, stride) if n > 1):
+        if st <= reach:
+            return False
+        reach += st * (n - 1)
+    return True
 
 
 def _write_buffers(buffers: Sequence[torch.Tensor], outs: Sequence[Any]) -> None:
@@ -693,7 +803,13 @@ class ShardedModule(_StandIn):
         if tr is not None and torch.is_grad_enabled() and any(
             isinstance(feed[i], torch.Tensor) and feed[i].requires_grad for i in tr.diff_in
         ):
-            return tuple(_RunSharded.apply(tr, self._where, *feed))  # it writes the buffers
+            views: list[_Views] = []
+            outs = list(_RunSharded.apply(tr, self._where, views, *feed))  # it writes the buffers
+            for group in views:  # outputs that view one tensor, as views of it (see _Views)
+                root = outs[group.slot]
+                for i, size, stride, offset in group.members:
+                    outs[i] = root if i == group.slot else root.as_strided(size, stride, offset)
+            return tuple(outs[: tr.n_out])
         outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")
         mutations = progs.traced.mutations
         if mutations:

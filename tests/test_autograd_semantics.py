@@ -5,6 +5,9 @@ Each case runs the sharded model on 2 gloo ranks next to the unsharded model on 
 
 * an output returned next to its own ``.detach()`` (a logged copy) keeps its gradient, and the copy (also a
   view of it) does not require grad;
+* outputs that view one tensor (an output and a reshape or a slice of it, overlapping slices of an
+  intermediate, one view of an intermediate) stay views of it, and one written in place before the loss
+  gives eager's loss and gradients;
 * a parameter that only an output left out of the loss reaches gets ``.grad`` None, as in eager (a
   zero tensor would let AdamW decay it);
 * ``requires_grad`` changed after ``shard()`` (one weight unfrozen; every weight unfrozen, with the
@@ -71,6 +74,26 @@ class _DetachedView(nn.Module):
         return o, o.detach().view(-1)
 
 
+class _Views(nn.Module):
+    """Outputs that view one tensor: another output (reshaped or sliced), or an intermediate (overlapping, or
+    one view of it)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 16), nn.Linear(16, 8)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor):
+        o = self.l2(torch.relu(self.l1(x)))
+        if self.kind == "reshaped":
+            return o, o.view(2, 2, 8)
+        if self.kind == "sliced":
+            return o, o[:, :4]
+        if self.kind == "one_view":  # an output that is a view of an intermediate, next to another output
+            return o.view(2, 2, 8), o.sum(-1)
+        return o[:, :5], o[:, 2:]
+
+
 class _LossInside(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -127,6 +150,32 @@ def _cases(rank: int, world: int) -> dict:
     sm(x, y)["loss"].backward()
     ref(x, y)["loss"].backward()
     out["detached_loss_log"] = {"grad": _grad_err(sm, ref)}
+
+    # outputs that view one tensor, one of them written in place before the loss: autograd's bare RuntimeError
+    # about a Function returning multiple views; now as eager (the write shows through the other output)
+    def written_through(m: nn.Module, written: int) -> tuple:
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        a, b = m(xi * 1.0)
+        (a, b)[written].mul_(3.0)
+        loss = a.square().sum() + b.pow(3).sum()
+        loss.backward()
+        return loss.item(), xi.grad, b._base is (a if a._base is None else a._base), a._base is not None
+
+    for kind in ("reshaped", "sliced", "overlapping", "one_view"):
+        torch.manual_seed(0)
+        ref, sm = pair(_Views(kind), (x.clone().requires_grad_(),))
+        for written in (0, 1):
+            want = written_through(ref, written)
+            try:
+                got = written_through(sm, written)
+            except RuntimeError as e:
+                out[f"views_{kind}_{written}"] = str(e)
+                continue
+            out[f"views_{kind}_{written}"] = {
+                "loss": abs(got[0] - want[0]) / abs(want[0]), "grad": _grad_err(sm, ref, relative=True),
+                "x_grad": (got[1] - want[1]).abs().max().item() / want[1].abs().max().item(),
+                "aliases": (got[2:], want[2:])}
 
     # an output left out of the loss: its own weights get None, and AdamW agrees over steps
     torch.manual_seed(0)
@@ -307,6 +356,17 @@ def test_an_output_and_its_detached_copy_keep_the_gradient(cases):
         assert r["detached_loss_log"]["grad"] <= TOL, r["detached_loss_log"]
         v = r["detached_view"]
         assert v["requires_grad"] == v["eager"] == [True, False] and "does not require grad" in v["backward"], v
+
+
+def test_outputs_that_view_one_tensor_can_be_written_in_place_as_in_eager(cases):
+    for r in cases:
+        for kind in ("reshaped", "sliced", "overlapping", "one_view"):
+            for written in (0, 1):
+                v = r[f"views_{kind}_{written}"]
+                assert isinstance(v, dict), (kind, written, v)
+                assert v["loss"] <= TOL and v["grad"] <= TOL and v["x_grad"] <= TOL, (kind, written, v)
+                got, want = v["aliases"]  # (b views a's root, a is a view), as in eager
+                assert got == want and got[0] == (kind != "one_view") and got[1] == (kind in ("overlapping", "one_view")), v
 
 
 def test_weights_only_an_unused_output_reaches_get_no_gradient(cases):
