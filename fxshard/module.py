@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.autograd import forward_ad as _forward_ad
+from torch.nn.utils.parametrize import is_parametrized
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
@@ -509,6 +510,7 @@ class ShardedModule(_StandIn):
         # the local dtype and shape the programs were traced for
         self._locals = {slot.names[0]: (tensors[slot.names[0]].dtype, tensors[slot.names[0]].shape)
                         for slot in programs.traced.slots if slot.kind in ("param", "buffer")}
+        homes = []
         for slot in programs.traced.slots:
             if slot.kind not in ("param", "buffer"):
                 continue
@@ -520,6 +522,8 @@ class ShardedModule(_StandIn):
                     owner.register_parameter(leaf, t)
                 else:
                     owner.register_buffer(leaf, t, persistent=slot.persistent)
+                homes.append((fqn, owner, leaf))
+        self._tensor_homes = tuple(homes)  # (name, module, attribute) of every parameter and buffer
         self._current = programs
         self._by_mode: dict[tuple[bool, ...], Programs] = {self._mode_key(): programs}
         self._unfilled: Optional[dict[str, tuple[int, int]]] = None
@@ -740,6 +744,8 @@ class ShardedModule(_StandIn):
                 f"function, as for a gradient penalty), or apply the transform to the unsharded model")
         if not torch.compiler.is_compiling() and _forward_ad._current_level >= 0:  # inside fwAD.dual_level()
             _refuse_dual_tensors(self, args, kwargs)
+        if not torch.compiler.is_compiling():
+            _refuse_parametrized_since(self)
         check_captured(self._captured, f"{self._where}: the forward", fix=_MODULE_FIX)
         forward_started(self)
         progs = self._for_mode()
@@ -1011,6 +1017,21 @@ def _refuse_dual_tensors(sm: ShardedModule, args: tuple, kwargs: dict) -> None:
             f"only its part of the tangent through the collectives and return a wrong one. Shard the whole "
             f"computation with fxshard.jit of a function that calls torch.func.jvp (torch.func.functional_call "
             f"of the model inside), or take the JVP of the unsharded model")
+
+
+def _refuse_parametrized_since(sm: ShardedModule) -> None:
+    """Raise if a parameter or buffer of ``sm`` was made parametrized (``torch.nn.utils.parametrize``) on its
+    stand-in after ``shard()``: it is no longer registered where ``shard()`` put it."""
+    for fqn, owner, leaf in sm._tensor_homes:
+        if leaf not in owner._parameters and leaf not in owner._buffers and is_parametrized(owner, leaf):
+            how = sm._how_split(fqn)
+            raise ShardingError(
+                f"{sm._where}: {fqn} was parametrized after shard() (torch.nn.utils.parametrize: weight_norm, "
+                f"spectral_norm, orthogonal, ...). On the ShardedModule the parametrization computes from this rank's "
+                f"tensors{f' ({fqn} is split {how})' if how else ''}, so a norm or a spectral norm would be that of "
+                f"a piece, not of the full tensor, and the model would compute something else than the unsharded "
+                f"one. Register the parametrization on the model before shard() (a parametrized weight is sharded by "
+                f"its computed value and trains as in eager)")
 
 
 def _state_dict_as_dtensors(sm: ShardedModule, state_dict: dict, prefix: str, local_metadata: Any) -> None:
