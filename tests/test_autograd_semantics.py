@@ -21,9 +21,9 @@ Each case runs the sharded model on 2 gloo ranks next to the unsharded model on 
 
 Loud failures: an input that requires grad where the example did not, with no parameter to train,
 a backward with ``create_graph=True`` through the module (it gave wrong second derivatives), and a
-forward-mode AD tangent on an input or a parameter (it gave a wrong tangent) (2 ranks); mixed partial kinds over two mesh axes in ``in_specs``, a ``Partial('max')`` input that needs a
-gradient, and a tensor made on the input's device in a mode shard() did not trace (fake process
-group).
+forward-mode AD tangent on an input or a parameter (it gave a wrong tangent) (2 ranks); mixed partial
+kinds over two mesh axes in ``in_specs``, a ``Partial('max')`` input that needs a gradient, and a
+tensor made on the input's device in a mode shard() did not trace (fake process group).
 """
 
 from __future__ import annotations
@@ -366,7 +366,8 @@ def test_outputs_that_view_one_tensor_can_be_written_in_place_as_in_eager(cases)
                 assert isinstance(v, dict), (kind, written, v)
                 assert v["loss"] <= TOL and v["grad"] <= TOL and v["x_grad"] <= TOL, (kind, written, v)
                 got, want = v["aliases"]  # (b views a's root, a is a view), as in eager
-                assert got == want and got[0] == (kind != "one_view") and got[1] == (kind in ("overlapping", "one_view")), v
+                assert got == want, v
+                assert got[0] == (kind != "one_view") and got[1] == (kind in ("overlapping", "one_view")), v
 
 
 def test_weights_only_an_unused_output_reaches_get_no_gradient(cases):

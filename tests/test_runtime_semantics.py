@@ -411,7 +411,8 @@ def _cumulative_bn(rank: int, world: int, mesh) -> dict:
 class _BNBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net1, self.bn1, self.net2, self.bn2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 16), nn.BatchNorm1d(16)
+        self.net1, self.bn1 = nn.Linear(16, 32), nn.BatchNorm1d(32)
+        self.net2, self.bn2 = nn.Linear(32, 16), nn.BatchNorm1d(16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.bn2(self.net2(torch.relu(self.bn1(self.net1(x)))))
