@@ -207,14 +207,14 @@ class _Request:
         return self.bucket_mb if "bucket" in self.pipeline.names else None
 
 
-def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str, frozenset[str]]]:
+def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str, dict[str, Any]]]:
     """``(fqn, type, training, first fqn of the same module, its plain attributes)`` per submodule, in
-    pre-order; the plain attributes (neither tensors nor modules nor ``_``-names, e.g. a dropout's ``p``) are
-    constants to the trace."""
+    pre-order; the plain attributes (name -> value: neither tensors nor modules nor ``_``-names, e.g. a dropout's
+    ``p``) are constants to the trace."""
     first: dict[int, str] = {}
     return [(fqn, type(m), m.training, first.setdefault(id(m), fqn),
-             frozenset(k for k, v in vars(m).items() if not k.startswith("_") and k != "training"
-                       and not isinstance(v, (torch.Tensor, nn.Module))))
+             {k: v for k, v in vars(m).items() if not k.startswith("_") and k != "training"
+              and not isinstance(v, (torch.Tensor, nn.Module))})
             for fqn, m in model.named_modules(remove_duplicate=False)]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -251,8 +252,10 @@ def _write_buffers(buffers: Sequence[torch.Tensor], outs: Sequence[Any]) -> None
 
 class _StandIn(nn.Module):
     """A module standing in for one of the original model's (a ShardedModule for the model, a Scope for a
-    submodule): setting or reading a plain attribute the original had when traced explains why that does not
-    work (``_refuse_traced``, ``_traced_attribute``)."""
+    submodule). The plain attributes the original had when traced (``_keep_traced``) were constants to the
+    programs: setting one raises (``_refuse_traced``); reading one gives its value then if that is immutable (a
+    dropout's ``p``, an embedding's ``sparse``, which DDP reads), else explains why it is not here
+    (``_traced_attribute``: an HF model's ``config``)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         _refuse_traced(self, name)
@@ -262,12 +265,21 @@ class _StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            values = self.__dict__.get("_traced_values", {})
+            if name in values:
+                return values[name]
             raise _traced_attribute(self, name) from None
 
 
 class Scope(_StandIn):
     """Stands in a ShardedModule for one submodule of the original model: it holds that submodule's
     local parameters and buffers and its train/eval mode (``sm.dropout.eval()`` works as on the model).
+
+    Its class is made per original class (``_stand_in_class``): a subclass of both, named like it, so code
+    that selects modules by type (``isinstance(m, nn.LayerNorm)``, ``type(m).__name__``) finds it as on the
+    model. What runs is the stand-in's: nn.Module's methods (``train``, ``apply``, ``state_dict``, ...) even
+    where the original class overrides them, and none of the original class's own methods and properties
+    (they would compute with this rank's pieces): those raise a ShardingError (``_guard``).
 
     It is not called (the ShardedModule runs the whole model as one program), so hooks that would wait
     for its call raise a ShardingError at registration, except FSDP2's: ``fully_shard(sm.layers[i])``
@@ -316,6 +328,14 @@ class Scope(_StandIn):
         self._no_hooks("a backward hook", hook)
         return super().register_backward_hook(hook)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickles (and copies) a stand-in by its stand-in kind and original class, which find its class again
+        (``_stand_in_class``): the generated class itself cannot be found by name."""
+        made = type(self).__dict__.get("_stand_in_of")
+        if made is None:  # a plain Scope, or FSDP2's subclass of a stand-in class (FSDP2 refuses copies itself)
+            return super().__reduce_ex__(protocol)
+        return _remake_stand_in, made, self.__getstate__()
+
 
 class ScopeList(Scope):
     """The stand-in of an ``nn.ModuleList``/``nn.Sequential``: indexed, sliced, iterated and sized like it
@@ -363,14 +383,198 @@ class ScopeDict(Scope):
         return list(self._modules.items())
 
 
-def _scope(kind: type, fqn: str, traced: frozenset[str]) -> Scope:
+def _scope(kind: type, fqn: str, traced: Mapping[str, Any]) -> Scope:
     """The stand-in of a submodule of type ``kind`` (subclasses of the containers included) whose plain
-    attributes ``traced`` were constants to the trace."""
-    cls = (ScopeList if issubclass(kind, (nn.ModuleList, nn.Sequential)) else
-           ScopeDict if issubclass(kind, nn.ModuleDict) else Scope)
-    scope = cls(kind.__name__, fqn)
-    scope._traced_attrs = traced
+    attributes ``traced`` (name -> value) were constants to the trace: an instance of ``kind`` (see
+    ``_stand_in_class``)."""
+    base = (ScopeList if issubclass(kind, (nn.ModuleList, nn.Sequential)) else
+            ScopeDict if issubclass(kind, nn.ModuleDict) else Scope)
+    scope = _stand_in_class(base, kind)(kind.__name__, fqn)
+    _keep_traced(scope, traced)
     return scope
+
+
+_IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+              torch.memory_format)
+
+
+def _keep_traced(m: nn.Module, traced: Mapping[str, Any]) -> None:
+    """Records on the stand-in ``m`` the plain attributes (name -> value) its original had when traced: their
+    names (``_traced_attrs``: setting one raises) and the values of the immutable ones (``_traced_values``:
+    numbers, strings, None, dtypes, devices and tuples of them, read as on the original)."""
+    m._traced_attrs = frozenset(traced)
+    m._traced_values = {name: value for name, value in traced.items() if _immutable(value)}
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` is one of ``_IMMUTABLE``'s types, or a tuple or frozenset of such values."""
+    if isinstance(value, (tuple, frozenset)):
+        return all(_immutable(v) for v in value)
+    return isinstance(value, _IMMUTABLE)
+
+
+# ---- stand-in classes ----------------------------------------------------------------------------------------
+# A stand-in for a module of class C has a generated class also named C, with bases (stand-in kind, C's guard),
+# so its MRO is: generated C, Scope (or ScopeList/ScopeDict), _StandIn, _CGuard, C, C's bases, nn.Module, (C's
+# mixins), object:
+# the stand-in's own methods come first, then the guard, which overrides everything C's classes define (all
+# but nn.Module and object) with nn.Module's version or a ShardingError (``_guard_entry``); the stand-in
+# classes' own super() calls reach the guard too, so none of C's code runs on the stand-in.
+
+_STAND_IN_CLASSES: dict[tuple[type, type], type] = {}
+_GUARDS: dict[type, type] = {}
+_INHERIT = object()  # _guard_entry: leave the original class's attribute as it is
+# what Python reads off a class itself (never overridden)
+_CLASS_MACHINERY = frozenset({
+    "__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__", "__annotations__",
+    "__annotate__", "__abstractmethods__", "_abc_impl", "__orig_bases__", "__parameters__", "__static_attributes__",
+    "__firstlineno__", "__type_params__", "__init_subclass__", "__class_getitem__", "__subclasshook__"})
+# what every module instance, and a stand-in, holds in its __dict__: a class attribute of that name is never read
+_INSTANCE_NAMES = frozenset(vars(nn.Module())) | {"_kind", "_fqn", "_traced_attrs", "_traced_values"}
+_MODULE_CLASS_ATTRS = {name: value for klass in reversed(nn.Module.__mro__) for name, value in vars(klass).items()}
+
+
+def _stand_in_class(kind: type, orig: type) -> type:
+    """The class of the stand-ins of kind ``kind`` (Scope, ScopeList, ScopeDict) for modules of class ``orig``.
+
+    Ensures: a subclass of ``kind`` and of ``orig``, named like ``orig`` (``__name__``, ``__qualname__``), one per
+    ``(kind, orig)``; its instances behave as ``kind``'s (see the MRO above). If Python cannot make such a class
+    (``orig``'s ``__init_subclass__`` or layout refuses it: a TypeError), ``kind`` itself, with a warning."""
+    key = (kind, orig)
+    cls = _STAND_IN_CLASSES.get(key)
+    if cls is None:
+        ns = {"__module__": __name__, "__qualname__": orig.__qualname__, "_stand_in_of": key,
+              "__doc__": f"A {kind.__name__} standing in for a {orig.__module__}.{orig.__qualname__} (see Scope)."}
+        try:
+            cls = types.new_class(orig.__name__, (kind, _guard(orig)), exec_body=lambda d: d.update(ns))
+        except TypeError as e:
+            warnings.warn(f"the stand-ins of {orig.__qualname__} modules inside a ShardedModule are not instances of "
+                          f"{orig.__qualname__} (isinstance() is False for them): Python could not subclass it ({e})",
+                          stacklevel=4)
+            cls = kind
+        _STAND_IN_CLASSES[key] = cls
+    return cls
+
+
+def _remake_stand_in(kind: type, orig: type) -> Scope:
+    """An empty stand-in of ``_stand_in_class(kind, orig)`` (unpickling, copying: its state is set next)."""
+    cls = _stand_in_class(kind, orig)
+    return cls.__new__(cls)
+
+
+def _guard(orig: type) -> type:
+    """The subclass of ``orig`` that overrides, for every attribute the classes of ``orig``'s MRO other than
+    nn.Module and object define, what a stand-in uses instead (``_guard_entry``); one per ``orig``."""
+    guard = _GUARDS.get(orig)
+    if guard is None:
+        ns: dict[str, Any] = {"__module__": __name__, "__qualname__": f"_{orig.__name__}Guard"}
+        seen: set[str] = set()
+        for klass in orig.__mro__:
+            if klass is nn.Module or klass is object:
+                continue
+            for name, value in vars(klass).items():
+                if name not in seen:
+                    seen.add(name)
+                    entry = _guard_entry(orig, name, value)
+                    if entry is not _INHERIT:
+                        ns[name] = entry
+        guard = _GUARDS[orig] = types.new_class(ns["__qualname__"], (orig,), exec_body=lambda d: d.update(ns))
+    return guard
+
+
+def _guard_entry(orig: type, name: str, value: Any) -> Any:
+    """What the guard of ``orig`` defines for ``name`` (``value`` in the first class of ``orig``'s MRO that
+    defines it), or ``_INHERIT``:
+
+    - nn.Module's (or object's) own ``name`` where it has one: ``train``, ``eval``, ``to``, ``_apply``,
+      ``__setattr__``, ``_load_from_state_dict``, ``extra_repr``, ``__repr__``, ... (``_version``, the state dict
+      format, stays the original class's);
+    - ``orig``'s own class constants (neither callable nor descriptors, or classes: HF's ``base_model_prefix``,
+      ``_no_split_modules``, ``config_class``) stay readable and cannot be set (``_ClassConstant``);
+    - ``orig``'s own methods and properties (``reset_parameters``, ``_init_weights``, a parametrization's
+      ``weight``) raise a ShardingError when called or read (``_blocked_method``, ``_blocked_attribute``)."""
+    if name in _CLASS_MACHINERY or name in _INSTANCE_NAMES or name == "_version":
+        return _INHERIT
+    if name == "__new__":  # object.__new__ itself would refuse the stand-in's arguments
+        return staticmethod(_plain_new)
+    if name in _MODULE_CLASS_ATTRS:
+        return _MODULE_CLASS_ATTRS[name]
+    if name in ("__copy__", "__deepcopy__"):  # copy falls back to Scope.__reduce_ex__
+        return None
+    if name == "__del__":
+        return _no_finalizer
+    dunder = name.startswith("__") and name.endswith("__")
+    if isinstance(value, type) or not (callable(value) or hasattr(type(value), "__get__")):
+        return _INHERIT if dunder else _ClassConstant(name, value)
+    if isinstance(value, (staticmethod, classmethod)) or (callable(value) and not hasattr(type(value), "__set__")):
+        return _blocked_method(orig, name)
+    return _blocked_attribute(orig, name)
+
+
+def _plain_new(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``__new__`` of a stand-in class whose original defines its own: an empty instance, as nn.Module's."""
+    return object.__new__(cls)
+
+
+def _no_finalizer(self: Any) -> None:
+    """A stand-in has none of the resources an original ``__del__`` releases."""
+
+
+class _ClassConstant:
+    """A class constant of the original class (see ``_guard_entry``): read as on the original, except where the
+    original module had its own value of that name when traced (then that value, or the AttributeError of
+    ``_traced_attribute``, never the class's default: see ``_StandIn``); setting it raises (``_unchanged``)."""
+
+    def __init__(self, name: str, value: Any) -> None:
+        self.name, self.value = name, value
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is not None and self.name in obj.__dict__.get("_traced_attrs", ()):
+            raise AttributeError(self.name)  # the stand-in's __getattr__ answers
+        return self.value
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise _unchanged(_stand_in_name(obj), self.name)
+
+
+def _blocked_method(orig: type, name: str) -> Callable[..., Any]:
+    """A method that raises ``_original_code`` when called (the attribute itself exists, as on the original)."""
+    def blocked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _original_code(self, orig, name, "cannot run")
+    blocked.__name__, blocked.__qualname__ = name, f"{orig.__qualname__}.{name}"
+    return blocked
+
+
+def _blocked_attribute(orig: type, name: str) -> property:
+    """A property that raises ``_original_code`` when read or set."""
+    def read(self: Any) -> Any:
+        raise _original_code(self, orig, name, "(a property) cannot be read")
+
+    def write(self: Any, value: Any) -> None:
+        raise _original_code(self, orig, name, "(a property) cannot be set")
+    return property(read, write)
+
+
+def _original_code(m: Any, orig: type, name: str, what: str) -> ShardingError:
+    """Why ``orig``'s own ``name`` does not run on the stand-in ``m`` (see ``_guard_entry``), and what to do."""
+    where = _stand_in_name(m) if isinstance(m, Scope) else f"a stand-in of {orig.__qualname__}"
+    lowered = name.lower()
+    if "init" in lowered or lowered.lstrip("_").startswith("reset"):
+        why = "an initializer would see this rank's local shapes and draw the same numbers on every rank"
+        fix = ("Initialize on the ShardedModule with sm.init_parameters(fn) (fn(name, t) sees each tensor at its "
+               "global shape) or sm.load_full_state_dict(...), or initialize the original model before shard()")
+    else:
+        why = "its code would compute with those pieces or fail"
+        fix = (f"Use {name} on the original model (read its attributes there; shard again to change what the "
+               f"ShardedModule computes)")
+    return ShardingError(
+        f"{orig.__qualname__}.{name} {what} on {where}: the stand-in holds only this rank's pieces of the module's "
+        f"parameters and buffers, so {why}. {fix}")
+
+
+def _stand_in_name(m: nn.Module) -> str:
+    """How to name the stand-in ``m`` (a ShardedModule or a Scope) in a message."""
+    return m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
 
 
 def _traced_owner(m: nn.Module, name: str) -> str:
@@ -378,7 +582,7 @@ def _traced_owner(m: nn.Module, name: str) -> str:
     module it stands in for had when traced; empty otherwise."""
     if name not in m.__dict__.get("_traced_attrs", ()):
         return ""
-    return m._where if isinstance(m, ShardedModule) else f"the {m._kind} {m._fqn!r} inside a ShardedModule"
+    return _stand_in_name(m)
 
 
 def _refuse_traced(m: nn.Module, name: str) -> None:
@@ -387,21 +591,27 @@ def _refuse_traced(m: nn.Module, name: str) -> None:
     values, so setting one on the stand-in would silently change nothing."""
     what = _traced_owner(m, name)
     if what:
-        raise ShardingError(
-            f"setting {name!r} on {what} would change nothing: the programs were traced from the original module "
-            f"and hold the value its {name!r} had then. Set {name!r} on the original model and shard it again "
-            f"(train/eval modes are the exception: sm.train()/sm.eval() are followed)")
+        raise _unchanged(what, name)
+
+
+def _unchanged(what: str, name: str) -> ShardingError:
+    """Setting ``name`` on the stand-in ``what`` (named by ``_stand_in_name``) would change nothing."""
+    return ShardingError(
+        f"setting {name!r} on {what} would change nothing: the programs were traced from the original module "
+        f"and hold the value its {name!r} had then. Set {name!r} on the original model and shard it again "
+        f"(train/eval modes are the exception: sm.train()/sm.eval() are followed)")
 
 
 def _traced_attribute(m: nn.Module, name: str) -> AttributeError:
-    """Why ``name`` (a plain attribute of the module ``m`` stands in for, e.g. an HF model's ``config``) is not on
-    the stand-in, or torch's AttributeError for anything else."""
+    """Why ``name`` (a plain attribute of the module ``m`` stands in for whose value is mutable, e.g. an HF
+    model's ``config``) is not on the stand-in, or torch's AttributeError for anything else."""
     what = _traced_owner(m, name)
     if what:
         return AttributeError(
-            f"{what} does not carry the original module's plain attribute {name!r}: the programs were traced with "
-            f"the value it had then, and a copy here could be changed to no effect. Read it from the original "
-            f"model (and shard again to change it)")
+            f"{what} does not carry the original module's plain attribute {name!r}: its value is mutable, the "
+            f"programs were traced with the value it had then, and a copy here could be changed in place to no "
+            f"effect (a stand-in carries numbers, strings, None, dtypes and tuples of them). Read it from the "
+            f"original model (and shard again to change it)")
     return AttributeError(f"{type(m).__name__!r} object has no attribute {name!r}")
 
 
@@ -476,7 +686,7 @@ class ShardedModule(_StandIn):
 
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
-                 modules: Sequence[tuple[str, type, bool, str, frozenset[str]]] = (), name: str = "model",
+                 modules: Sequence[tuple[str, type, bool, str, Mapping[str, Any]]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None, auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = (), captured: Sequence[Captured] = ()):
         super().__init__()
@@ -494,7 +704,7 @@ class ShardedModule(_StandIn):
         for fqn, kind, training, first, traced in modules:  # pre-order, so parents come first
             if fqn == "":
                 self.training = training
-                self._traced_attrs = traced
+                _keep_traced(self, traced)
                 continue
             *path, leaf = fqn.split(".")
             if first == fqn:

@@ -1,17 +1,25 @@
 """The module tree of a ShardedModule (fake process group): stand-ins of containers index and iterate like
-them and hold the local parameters; hooks that could never fire raise; what ``remat`` puts in the backward."""
+them and hold the local parameters; hooks that could never fire raise; what ``remat`` puts in the backward;
+stand-ins are instances of the original classes (code selecting modules by type: 2 gloo ranks against eager)."""
 
 from __future__ import annotations
+
+import copy
+import pickle
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import fxshard
-from fxshard import ColwiseParallel
+from fxshard import ColwiseParallel, RowwiseParallel
 from fxshard.errors import ShardingError
 from tests import models
+from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
+
+TOL = 1e-5
 
 
 @pytest.fixture
@@ -94,7 +102,164 @@ class _Heads(nn.Module):
 def test_container_subclasses_and_module_dicts_index_like_the_model(mesh2):
     sm = fxshard.shard(_Heads(), mesh2, {"blocks.*": ColwiseParallel()}, example_inputs=(torch.randn(4, 8),))
     assert len(sm.blocks) == 2 and sm.blocks[1] is list(sm.blocks)[1] and repr(sm.blocks).startswith("_Blocks(")
+    assert isinstance(sm.blocks, _Blocks) and isinstance(sm.heads, nn.ModuleDict)
     assert tuple(sm.blocks[0].weight.shape) == (4, 8)
     assert list(sm.heads) == ["a", "b"] and "b" in sm.heads and sm.heads["b"] is dict(sm.heads.items())["b"]
     with pytest.raises(ShardingError, match="has no module 'c'"):
         sm.heads["c"]
+
+
+class _Head(nn.Module):
+    """A user-defined block with its own method, property, class constant and ``train`` override (as HF's
+    PreTrainedModel.train, it reads instance state a stand-in does not have)."""
+
+    scale = 0.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 16)
+        self.norm = nn.LayerNorm(16)
+        self.kernels: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * self.scale
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.fc.weight)
+
+    @property
+    def width(self) -> int:
+        return self.fc.in_features
+
+    def train(self, mode: bool = True) -> nn.Module:
+        out = super().train(mode)
+        for kernel in self.kernels:
+            kernel.train(mode)
+        return out
+
+
+class _Tagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with models._seeded(0):
+            self.norm = nn.LayerNorm(16)
+            self.net1 = nn.Linear(16, 32)
+            self.bn = nn.BatchNorm1d(32)
+            self.drop = nn.Dropout(0.0)
+            self.head = _Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.bn(torch.relu(self.net1(self.norm(x))))))
+
+
+_TAGGED_PLAN = {"net1": ColwiseParallel(), "head.fc": RowwiseParallel()}
+
+
+def test_stand_ins_are_instances_of_the_original_classes_and_run_none_of_their_code(mesh2):
+    """isinstance() was False for every stand-in (they were Scopes), so code selecting modules by type silently
+    did nothing. Now each is an instance of its original class, named like it, while what runs stays the
+    stand-in's: its forward, nn.Module's train (not _Head's), no method or property of the original class."""
+    model = _Tagged()
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, _TAGGED_PLAN, example_inputs=(torch.randn(8, 16),))
+    for fqn, orig in model.named_modules():
+        if fqn:
+            stand_in = sm.get_submodule(fqn)
+            assert isinstance(stand_in, type(orig)), fqn
+            assert (type(stand_in).__name__, stand_in.__class__.__qualname__) == (type(orig).__name__,
+                                                                                 type(orig).__qualname__)
+    assert repr(sm.head) == "_Head(\n  (fc): Linear()\n  (norm): LayerNorm()\n)"
+    assert sm.net1.extra_repr() == "" and sm.head.scale == 0.5  # nn.Module's extra_repr; a class constant reads
+    sm.eval()  # nn.Module.train, not _Head.train (it reads kernels, a list: a stand-in does not carry it)
+    assert not sm.head.training and not sm.bn.training
+    with pytest.raises(ShardingError, match="cannot run on its own"):
+        sm.head(torch.randn(8, 32))
+    with pytest.raises(ShardingError, match=r"_Head.reset_parameters cannot run on the _Head 'head'.*init_parameters"):
+        sm.head.reset_parameters()
+    with pytest.raises(ShardingError, match=r"Linear.reset_parameters cannot run .* 'net1'.*init_parameters"):
+        sm.net1.reset_parameters()
+    with pytest.raises(ShardingError, match=r"_Head.width \(a property\) cannot be read.*original model"):
+        sm.head.width
+    for m, name, value in ((sm.head, "scale", 1.0), (sm.drop, "p", 0.0)):
+        with pytest.raises(ShardingError, match=f"setting '{name}' .* would change nothing"):
+            setattr(m, name, value)
+    assert type(copy.deepcopy(sm).head) is type(sm.head)
+    head = pickle.loads(pickle.dumps(sm.head))
+    assert type(head) is type(sm.head) and torch.equal(head.fc.weight, sm.head.fc.weight)
+
+
+class _Final(nn.Linear):
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        raise TypeError("_Final cannot be subclassed")
+
+
+def test_a_class_that_cannot_be_subclassed_keeps_a_plain_stand_in_and_says_so(mesh2):
+    with pytest.warns(UserWarning, match="not instances of _Final.*cannot be subclassed"):
+        sm = fxshard.shard(nn.Sequential(_Final(8, 8)), mesh2, {}, example_inputs=(torch.randn(4, 8),))
+    plain = sm.get_submodule("0")
+    assert type(plain).__name__ == "Scope" and repr(plain) == "_Final()"
+
+
+def _init_by_type(m: nn.Module) -> None:
+    """Initializers that give the same values sharded (elementwise constants), selected by type and by class name
+    (DCGAN's weights_init)."""
+    if isinstance(m, nn.Linear):
+        nn.init.zeros_(m.bias)
+    if m.__class__.__name__.find("BatchNorm") != -1:
+        nn.init.constant_(m.weight, 1.5)
+
+
+def _train_selecting_by_type(m: nn.Module, case: str, batches: list) -> tuple[list[float], list[str]]:
+    """Trains ``m`` with code that selects its modules by type; the losses, and the parameters HF's Trainer decays."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    decay: list[str] = []
+    if case == "no_decay":  # Trainer.get_decay_parameter_names: no weight decay for LayerNorms (by type) and biases
+        decay = sorted(get_parameter_names(m, [nn.LayerNorm], [r"bias"]))
+        named = list(m.named_parameters())
+        opt: torch.optim.Optimizer = torch.optim.AdamW(
+            [{"params": [p for n, p in named if n in decay], "weight_decay": 0.5},
+             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}], lr=1e-2)
+    else:
+        if case == "apply_init":
+            m.apply(_init_by_type)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        if case == "freeze_bn" and step == 2:  # fine-tuning: BatchNorm in eval mode and frozen
+            for mod in m.modules():
+                if isinstance(mod, nn.modules.batchnorm._BatchNorm):
+                    mod.eval()
+                    mod.requires_grad_(False)
+        opt.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, decay
+
+
+def _selecting_by_type(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(5)]
+    out = {}
+    for case in ("no_decay", "freeze_bn", "apply_init"):
+        ref = _Tagged()
+        sm = fxshard.shard(copy.deepcopy(ref), mesh, _TAGGED_PLAN, example_inputs=(batches[0][0],))
+        (want, want_decay), (got, got_decay) = (_train_selecting_by_type(m, case, batches) for m in (ref, sm))
+        full = sm.full_state_dict()
+        out[case] = {"loss": max(abs(a - b) for a, b in zip(got, want)), "decay": (got_decay, want_decay),
+                     "state": max((full[k].float() - v.float()).abs().max().item() for k, v in ref.state_dict().items()),
+                     "bn training": (sm.bn.training, ref.bn.training)}
+    return out
+
+
+def test_code_selecting_modules_by_type_trains_as_eager():
+    """Measured before (2 ranks): HF's no-decay groups put LayerNorm weights in the decay group (parameters 0.023
+    off eager); freezing BatchNorm by type did nothing (running statistics 0.197 off); model.apply(init) by type
+    or class name did nothing. Each now trains as eager (losses, parameters, buffers)."""
+    for res in run_ranks(_selecting_by_type, 2):
+        for case, r in res.items():
+            assert r["decay"][0] == r["decay"][1] and r["bn training"][0] == r["bn training"][1], (case, r)
+            assert r["loss"] <= TOL and r["state"] <= TOL, (case, r)
+        assert "norm.weight" not in res["no_decay"]["decay"][1] and "net1.weight" in res["no_decay"]["decay"][1]
