@@ -255,11 +255,18 @@ class _StandIn(nn.Module):
     submodule). The plain attributes the original had when traced (``_keep_traced``) were constants to the
     programs: setting one raises (``_refuse_traced``); reading one gives its value then if that is immutable (a
     dropout's ``p``, an embedding's ``sparse``, which DDP reads), else explains why it is not here
-    (``_traced_attribute``: an HF model's ``config``)."""
+    (``_traced_attribute``: an HF model's ``config``). Replacing a submodule's stand-in raises
+    (``_refuse_replacing``)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         _refuse_traced(self, name)
+        if value is None or isinstance(value, nn.Module):
+            _refuse_replacing(self, name, value)
         super().__setattr__(name, value)
+
+    def add_module(self, name: str, module: Optional[nn.Module]) -> None:
+        _refuse_replacing(self, name, module)
+        super().add_module(name, module)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -592,6 +599,19 @@ def _refuse_traced(m: nn.Module, name: str) -> None:
     what = _traced_owner(m, name)
     if what:
         raise _unchanged(what, name)
+
+
+def _refuse_replacing(m: nn.Module, name: str, new: Optional[nn.Module]) -> None:
+    """Raises ShardingError if ``new`` would replace the stand-in ``m.<name>`` of a submodule of the original
+    model (``sm.bn = SyncBatchNorm(...)``, as convert_sync_batchnorm or a LoRA/freezing utility does, finding
+    the stand-in by type): the programs keep computing the original module, so the swap would change nothing."""
+    old = m.__dict__.get("_modules", {}).get(name)
+    if isinstance(old, Scope) and new is not old:
+        raise ShardingError(
+            f"replacing {_stand_in_name(old)} with {type(new).__name__ if new is not None else 'None'} would "
+            f"change nothing: the programs were traced from the original model's modules and keep computing "
+            f"them (with these parameters). Make the change on the original model (e.g. "
+            f"nn.SyncBatchNorm.convert_sync_batchnorm(model)) and shard it again")
 
 
 def _unchanged(what: str, name: str) -> ShardingError:

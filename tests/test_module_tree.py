@@ -263,3 +263,20 @@ def test_code_selecting_modules_by_type_trains_as_eager():
             assert r["decay"][0] == r["decay"][1] and r["bn training"][0] == r["bn training"][1], (case, r)
             assert r["loss"] <= TOL and r["state"] <= TOL, (case, r)
         assert "norm.weight" not in res["no_decay"]["decay"][1] and "net1.weight" in res["no_decay"]["decay"][1]
+
+
+def test_replacing_a_stand_in_raises(mesh2):
+    """Found by type, a stand-in is what module-swapping utilities replace (convert_sync_batchnorm, BatchNorm
+    freezing or LoRA helpers), but the programs keep computing the original module: replacing one raises. The
+    same module again and names the model did not have are set as on any module."""
+    sm = fxshard.shard(_Tagged(), mesh2, _TAGGED_PLAN, example_inputs=(torch.randn(8, 16),))
+    with pytest.raises(ShardingError, match=r"replacing the BatchNorm1d 'bn' inside a ShardedModule with "
+                                            r"SyncBatchNorm would change nothing.*shard it again"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(sm)
+    with pytest.raises(ShardingError, match=r"replacing the Dropout 'drop' inside a ShardedModule with Identity"):
+        sm.drop = nn.Identity()
+    with pytest.raises(ShardingError, match=r"replacing the Linear 'head.fc' inside a ShardedModule with None"):
+        sm.head.register_module("fc", None)
+    sm.head.fc = sm.head.fc
+    sm.extra = nn.Identity()
+    assert isinstance(sm.bn, nn.BatchNorm1d) and isinstance(sm.drop, nn.Dropout) and isinstance(sm.extra, nn.Identity)
