@@ -160,11 +160,11 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         say("allocating local shards")
         tensors, unfilled, origins = _local_tensors(model, progs.traced, placements, mesh, runtime, src_data_rank)
         modules = _module_tree(model)
+        reshard, train_override = (None, None) if getattr(model, "fxshard_fixed_modes", False) else \
+            _resharder(model, info, keep, placements, say, dict(progs.traced.constants))
         sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                            modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
-                           reshard=None if getattr(model, "fxshard_fixed_modes", False)
-                           else _resharder(model, info, keep, placements, say, dict(progs.traced.constants)),
-                           auto=report, captured=captured)
+                           reshard=reshard, train_override=train_override, auto=report, captured=captured)
         if report is None:
             break
         sm._auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)
@@ -335,12 +335,21 @@ def _skeleton(model: nn.Module, attributes: dict[str, torch.Tensor]) -> nn.Modul
     return copy.deepcopy(model, memo)
 
 
+TrainOverride = Callable[[str, bool], tuple[dict[str, bool], dict[str, bool]]]
+
+
 def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict[str, tuple[Pl, ...]],
                progress: Optional[Callable[[str], None]], constants: dict[str, Any]
-               ) -> Callable[[dict[str, bool], dict[str, bool]], Programs]:
-    """``(modes, trainable) -> Programs``: shards a meta copy of ``model`` with its submodules in ``modes``
-    (FQN -> training) and its parameters requiring grad as ``trainable`` says (FQN -> requires_grad).
-    ``constants``: the tensor constants of the first trace (by name), which the programs are given."""
+               ) -> tuple[Callable[[dict[str, bool], dict[str, bool]], Programs], TrainOverride]:
+    """Two functions over one meta copy of ``model``:
+
+    * ``reshard(modes, trainable) -> Programs`` shards it with its submodules in ``modes`` (FQN -> training) and
+      its parameters requiring grad as ``trainable`` says (FQN -> requires_grad). ``constants``: the tensor
+      constants of the first trace (by name), which the programs are given.
+    * ``train_override(fqn, mode) -> (modes, requires_grad)`` runs ``train(mode)`` of the submodule at ``fqn``
+      (a class of the model's own that overrides ``nn.Module.train``, e.g. keeping its BatchNorms in eval) on the
+      copy, and gives the modes of that submodule's subtree after it and the ``requires_grad`` flags it changed
+      (names relative to the submodule), for the stand-ins to take (``_StandIn.train``)."""
     # the tensors a traced constant may be, by FQN (a wrapper such as loss_parallel's makes its model's
     # buffers constants); a tensor the forward creates is numbered (lifted_tensor_N), not one of these
     plain = _tensor_attributes(model)
@@ -387,7 +396,26 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
                 f"CPU, or shard the model in these modes")
         return progs
 
-    return reshard
+    def train_override(fqn: str, mode: bool) -> tuple[dict[str, bool], dict[str, bool]]:
+        kind = type(model.get_submodule(fqn)).__name__
+        if skeleton is None:
+            raise ShardingError(
+                f"ShardedModule({name}): {kind}.train overrides nn.Module.train, and fxshard runs it on a copy of the "
+                f"model to follow what it sets, but could not keep a copy ({why}); set the modes on the stand-ins "
+                f"(sm.<submodule>.eval()) instead of calling train()")
+        sub = skeleton.get_submodule(fqn)
+        before = {n: p.requires_grad for n, p in sub.named_parameters()}
+        try:
+            sub.train(mode)
+        except Exception as e:  # noqa: BLE001 - the user's override, on meta tensors
+            raise ShardingError(
+                f"ShardedModule({name}): {kind}.train({mode}) (the model's own override of nn.Module.train) failed on "
+                f"fxshard's copy of the model, whose tensors are on the meta device ({type(e).__name__}: {e}); an "
+                f"override may only set modes and requires_grad: set the modes on the stand-ins instead") from e
+        return ({n: m.training for n, m in sub.named_modules()},
+                {n: p.requires_grad for n, p in sub.named_parameters() if p.requires_grad != before[n]})
+
+    return reshard, train_override
 
 
 def _mode_text(modes: dict[str, bool]) -> str:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -268,6 +270,20 @@ class _StandIn(nn.Module):
         _refuse_replacing(self, name, module)
         super().add_module(name, module)
 
+    def train(self, mode: bool = True) -> "_StandIn":
+        """``nn.Module.train``; where the original's class overrides it (``_train_override``: a backbone keeping
+        its BatchNorms in eval, freezing a stage), also the modes and ``requires_grad`` flags that override
+        sets in this subtree, run on the model's meta copy, as eager's ``model.train()`` runs it."""
+        super().train(mode)
+        override = _TRAIN_OVERRIDES.get(self)
+        if override is not None:
+            modes, grads = override(mode)
+            for fqn, flag in modes.items():
+                self.get_submodule(fqn).training = flag
+            for fqn, flag in grads.items():
+                self.get_parameter(fqn).requires_grad_(flag)
+        return self
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -276,6 +292,18 @@ class _StandIn(nn.Module):
             if name in values:
                 return values[name]
             raise _traced_attribute(self, name) from None
+
+
+# a stand-in (or ShardedModule) whose original's class overrides nn.Module.train -> that override, run on the
+# model's meta copy (api._resharder): kept here, not on the stand-in, which pickles alone (a closure does not)
+_TRAIN_OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, Callable[[bool], tuple[dict, dict]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _register_train_overrides(sm: "ShardedModule") -> None:
+    """Ensures: each stand-in of ``sm`` whose original class overrides ``train`` (``sm._train_overrides``) finds it."""
+    for fqn, override in sm.__dict__.get("_train_overrides", {}).items():
+        _TRAIN_OVERRIDES[sm.get_submodule(fqn)] = override
 
 
 class Scope(_StandIn):
@@ -707,7 +735,9 @@ class ShardedModule(_StandIn):
     def __init__(self, programs: Programs, *, mesh: DeviceMesh, info: MeshInfo, placements: dict[str, tuple[Pl, ...]],
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
                  modules: Sequence[tuple[str, type, bool, str, Mapping[str, Any]]] = (), name: str = "model",
-                 reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None, auto: Any = None,
+                 reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None,
+                 train_override: Optional[Callable[[str, bool], tuple[dict[str, bool], dict[str, bool]]]] = None,
+                 auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = (), captured: Sequence[Captured] = ()):
         super().__init__()
         self._captured = tuple(captured)  # Python scalars the model's forward code read when traced
@@ -733,6 +763,11 @@ class ShardedModule(_StandIn):
             else:  # the same submodule under a second name: one stand-in, one mode
                 scopes[fqn] = scopes[first]
             scopes[".".join(path)].add_module(leaf, scopes[fqn])
+        # eager's model.train() runs these classes' own train(): FQN -> the override run on the meta copy
+        self._train_overrides = {} if train_override is None else {
+            fqn: functools.partial(train_override, fqn)
+            for fqn, kind, _, first, _ in modules if fqn == first and kind.train is not nn.Module.train}
+        _register_train_overrides(self)
         self._mode_names = [fqn for fqn, _, _, first, _ in modules if fqn == first] or [""]
         self._mode_scopes = [scopes[n] for n in self._mode_names]
         self._param_names = [slot.names[0] for slot in programs.traced.slots if slot.kind == "param"]
@@ -768,6 +803,7 @@ class ShardedModule(_StandIn):
         """A copy (``copy.deepcopy(sm)``, a pickle loaded) is tracked like the original: its optimizers present
         their state as DTensors and its gradients are checked at their steps (``__init__`` does not run)."""
         super().__setstate__(state)
+        _register_train_overrides(self)
         track_optimizers(self)
         track_gradients(self)
 

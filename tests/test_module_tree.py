@@ -169,7 +169,7 @@ def test_stand_ins_are_instances_of_the_original_classes_and_run_none_of_their_c
                                                                                  type(orig).__qualname__)
     assert repr(sm.head) == "_Head(\n  (fc): Linear()\n  (norm): LayerNorm()\n)"
     assert sm.net1.extra_repr() == "" and sm.head.scale == 0.5  # nn.Module's extra_repr; a class constant reads
-    sm.eval()  # nn.Module.train, not _Head.train (it reads kernels, a list: a stand-in does not carry it)
+    sm.eval()  # _Head.train runs on the model's meta copy (it reads kernels, a list a stand-in does not carry)
     assert not sm.head.training and not sm.bn.training
     with pytest.raises(ShardingError, match="cannot run on its own"):
         sm.head(torch.randn(8, 32))
@@ -280,3 +280,63 @@ def test_replacing_a_stand_in_raises(mesh2):
     sm.head.fc = sm.head.fc
     sm.extra = nn.Identity()
     assert isinstance(sm.bn, nn.BatchNorm1d) and isinstance(sm.drop, nn.Dropout) and isinstance(sm.extra, nn.Identity)
+
+
+class _FrozenStemBackbone(nn.Module):
+    """A backbone whose ``train`` keeps its BatchNorm in eval and its stem frozen (mmdet's norm_eval and
+    frozen_stages): eager's ``model.train()`` runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.mid = nn.Linear(8, 8)
+        self.norm_eval = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mid(torch.relu(self.bn(self.stem(x))))
+
+    def train(self, mode: bool = True) -> nn.Module:
+        super().train(mode)
+        if mode and self.norm_eval:
+            self.bn.eval()
+        for p in self.stem.parameters():
+            p.requires_grad = False
+        return self
+
+
+class _WithBackbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with models._seeded(0):
+            self.backbone = _FrozenStemBackbone()
+            self.out = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.backbone(x))
+
+
+def test_train_overrides_of_the_models_classes_set_modes_and_frozen_parameters_as_eager(mesh2):
+    """sm.train() ran nn.Module.train only, so a backbone class keeping its BatchNorm in eval (and its stem frozen)
+    in its own train() trained the BatchNorm under fxshard: other outputs and running statistics than eager's,
+    silently. The override now runs on the model's meta copy and the stand-ins take the modes and requires_grad
+    flags it set, from sm.train() and from the backbone's stand-in alike. Replicated plan on the fake process
+    group, so the sharded numbers are the unsharded ones."""
+    ref = _WithBackbone().eval()
+    sm = fxshard.shard(copy.deepcopy(ref), mesh2, {}, example_inputs=(torch.randn(6, 8),))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    for call in (lambda m: m.train(), lambda m: m.eval(), lambda m: m.backbone.train()):
+        call(ref), call(sm)
+        assert {n: m.training for n, m in sm.named_modules()} == {n: m.training for n, m in ref.named_modules()}
+        assert {n: p.requires_grad for n, p in sm.named_parameters()} == \
+            {n: p.requires_grad for n, p in ref.named_parameters()}
+        got, want = sm(x), ref(x)
+        assert torch.allclose(got, want, atol=1e-6), (got - want).abs().max()
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for n, p in ref.named_parameters():
+            g = sm.get_parameter(n).grad
+            assert (g is None) == (p.grad is None) and (g is None or torch.allclose(g, p.grad, atol=1e-5)), n
+        for n, b in ref.named_buffers():
+            assert torch.allclose(sm.get_buffer(n).float(), b.float()), n
+        sm.zero_grad(), ref.zero_grad()
