@@ -335,7 +335,8 @@ def _skeleton(model: nn.Module, attributes: dict[str, torch.Tensor]) -> nn.Modul
     return copy.deepcopy(model, memo)
 
 
-TrainOverride = Callable[[str, bool], tuple[dict[str, bool], dict[str, bool]]]
+TrainOverride = Callable[[str, bool, dict[str, bool], dict[str, bool]],
+                         Optional[tuple[dict[str, bool], dict[str, bool]]]]
 
 
 def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict[str, tuple[Pl, ...]],
@@ -346,10 +347,11 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
     * ``reshard(modes, trainable) -> Programs`` shards it with its submodules in ``modes`` (FQN -> training) and
       its parameters requiring grad as ``trainable`` says (FQN -> requires_grad). ``constants``: the tensor
       constants of the first trace (by name), which the programs are given.
-    * ``train_override(fqn, mode) -> (modes, requires_grad)`` runs ``train(mode)`` of the submodule at ``fqn``
-      (a class of the model's own that overrides ``nn.Module.train``, e.g. keeping its BatchNorms in eval) on the
-      copy, and gives the modes of that submodule's subtree after it and the ``requires_grad`` flags it changed
-      (names relative to the submodule), for the stand-ins to take (``_StandIn.train``)."""
+    * ``train_override(fqn, mode, modes, requires_grad) -> (modes, requires_grad)`` runs ``train(mode)`` of the
+      submodule at ``fqn`` (a class of the model's own that overrides ``nn.Module.train``, e.g. keeping its
+      BatchNorms in eval) on the copy, its subtree first set to the stand-ins' current ``modes`` and
+      ``requires_grad`` flags, and gives them after it (names relative to the submodule), for the stand-ins to
+      take (``_StandIn.train``); None when there is no copy."""
     # the tensors a traced constant may be, by FQN (a wrapper such as loss_parallel's makes its model's
     # buffers constants); a tensor the forward creates is numbered (lifted_tensor_N), not one of these
     plain = _tensor_attributes(model)
@@ -396,24 +398,24 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
                 f"CPU, or shard the model in these modes")
         return progs
 
-    def train_override(fqn: str, mode: bool) -> tuple[dict[str, bool], dict[str, bool]]:
-        kind = type(model.get_submodule(fqn)).__name__
+    def train_override(fqn: str, mode: bool, modes: dict[str, bool], grads: dict[str, bool]
+                       ) -> Optional[tuple[dict[str, bool], dict[str, bool]]]:
         if skeleton is None:
-            raise ShardingError(
-                f"ShardedModule({name}): {kind}.train overrides nn.Module.train, and fxshard runs it on a copy of the "
-                f"model to follow what it sets, but could not keep a copy ({why}); set the modes on the stand-ins "
-                f"(sm.<submodule>.eval()) instead of calling train()")
+            return None
         sub = skeleton.get_submodule(fqn)
-        before = {n: p.requires_grad for n, p in sub.named_parameters()}
+        for n, m in sub.named_modules():  # start from the stand-ins' state, as eager's override starts from its own
+            m.training = modes.get(n, m.training)
+        for n, p in sub.named_parameters():
+            p.requires_grad_(grads.get(n, p.requires_grad))
         try:
             sub.train(mode)
         except Exception as e:  # noqa: BLE001 - the user's override, on meta tensors
             raise ShardingError(
-                f"ShardedModule({name}): {kind}.train({mode}) (the model's own override of nn.Module.train) failed on "
-                f"fxshard's copy of the model, whose tensors are on the meta device ({type(e).__name__}: {e}); an "
-                f"override may only set modes and requires_grad: set the modes on the stand-ins instead") from e
-        return ({n: m.training for n, m in sub.named_modules()},
-                {n: p.requires_grad for n, p in sub.named_parameters() if p.requires_grad != before[n]})
+                f"ShardedModule({name}): {type(sub).__name__}.train({mode}) (the model's own override of "
+                f"nn.Module.train) failed on fxshard's copy of the model, whose tensors are on the meta device "
+                f"({type(e).__name__}: {e}); an override may only set modes and requires_grad: set the modes on the "
+                f"stand-ins instead (sm.<submodule>.eval())") from e
+        return {n: m.training for n, m in sub.named_modules()}, {n: p.requires_grad for n, p in sub.named_parameters()}
 
     return reshard, train_override
 

@@ -271,17 +271,27 @@ class _StandIn(nn.Module):
         super().add_module(name, module)
 
     def train(self, mode: bool = True) -> "_StandIn":
-        """``nn.Module.train``; where the original's class overrides it (``_train_override``: a backbone keeping
-        its BatchNorms in eval, freezing a stage), also the modes and ``requires_grad`` flags that override
-        sets in this subtree, run on the model's meta copy, as eager's ``model.train()`` runs it."""
-        super().train(mode)
+        """``nn.Module.train``; where the original's class overrides it (a backbone keeping its BatchNorms in eval,
+        freezing a stage), that override instead, run on the model's meta copy (``_TRAIN_OVERRIDES``), and this
+        subtree takes the modes and ``requires_grad`` flags it leaves, as eager's ``model.train()`` runs it."""
         override = _TRAIN_OVERRIDES.get(self)
-        if override is not None:
-            modes, grads = override(mode)
-            for fqn, flag in modes.items():
-                self.get_submodule(fqn).training = flag
-            for fqn, flag in grads.items():
-                self.get_parameter(fqn).requires_grad_(flag)
+        if override is None:
+            return super().train(mode)
+        mods, params = dict(self.named_modules()), dict(self.named_parameters())
+        after = override(mode, {n: m.training for n, m in mods.items()},
+                         {n: p.requires_grad for n, p in params.items()})
+        if after is None:
+            warnings.warn(f"fxshard: {type(self).__name__}.train overrides nn.Module.train, but fxshard kept no copy of "
+                          f"the model to run it on, so only nn.Module.train ran: set the modes it would set on the "
+                          f"stand-ins yourself (sm.<submodule>.eval())", stacklevel=2)
+            return super().train(mode)
+        modes, grads = after
+        for n, flag in modes.items():
+            if n in mods and mods[n].training != flag:
+                mods[n].training = flag
+        for n, flag in grads.items():
+            if n in params and params[n].requires_grad != flag:
+                params[n].requires_grad_(flag)
         return self
 
     def __getattr__(self, name: str) -> Any:
@@ -296,7 +306,7 @@ class _StandIn(nn.Module):
 
 # a stand-in (or ShardedModule) whose original's class overrides nn.Module.train -> that override, run on the
 # model's meta copy (api._resharder): kept here, not on the stand-in, which pickles alone (a closure does not)
-_TRAIN_OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, Callable[[bool], tuple[dict, dict]]]" = \
+_TRAIN_OVERRIDES: "weakref.WeakKeyDictionary[nn.Module, Callable[..., Optional[tuple[dict, dict]]]]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -736,7 +746,7 @@ class ShardedModule(_StandIn):
                  global_shapes: dict[str, tuple], tensors: dict[str, torch.Tensor],
                  modules: Sequence[tuple[str, type, bool, str, Mapping[str, Any]]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None,
-                 train_override: Optional[Callable[[str, bool], tuple[dict[str, bool], dict[str, bool]]]] = None,
+                 train_override: Optional[Callable[..., Optional[tuple[dict[str, bool], dict[str, bool]]]]] = None,
                  auto: Any = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = (), captured: Sequence[Captured] = ()):
         super().__init__()

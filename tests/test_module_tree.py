@@ -340,3 +340,8 @@ def test_train_overrides_of_the_models_classes_set_modes_and_frozen_parameters_a
         for n, b in ref.named_buffers():
             assert torch.allclose(sm.get_buffer(n).float(), b.float()), n
         sm.zero_grad(), ref.zero_grad()
+    # the override starts from the module's own state: a stage unfrozen by hand is frozen again, in a copy too
+    for a, b in ((sm, ref), (copy.deepcopy(sm), copy.deepcopy(ref))):
+        a.backbone.stem.weight.requires_grad_(True), b.backbone.stem.weight.requires_grad_(True)
+        a.train(), b.train()
+        assert not a.backbone.stem.weight.requires_grad and not a.backbone.bn.training
