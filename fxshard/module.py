@@ -112,10 +112,9 @@ class _RunSharded(torch.autograd.Function):
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         diff = set(training.diff_out if training.grad_out is None else training.grad_out)
-        base = lambda t: t if t._base is None else t._base  # noqa: E731
-        kept = {id(base(o)) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)}
+        kept = {id(_root(o)) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)}
         for i, o in enumerate(outs):  # a .detach()-ed copy of an output (or a view of it) shares its storage
-            if isinstance(o, torch.Tensor) and i not in diff and id(base(o)) in kept:
+            if isinstance(o, torch.Tensor) and i not in diff and id(_root(o)) in kept:
                 outs[i] = o.detach()
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in diff])
         ctx.set_materialize_grads(False)  # None: an output the loss does not use (see backward)
@@ -163,14 +162,20 @@ class _RunSharded(torch.autograd.Function):
         return (None, None, None, *res)
 
 
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage ``t`` views (``t`` itself when it is not a view)."""
+    return t if t._base is None else t._base
+
+
 def _view_groups(outs: list, diff: Sequence[int], primals: Sequence[Any]) -> list[tuple[_Views, torch.Tensor]]:
     """Each group of differentiable outputs (``outs[i]`` for ``i`` in ``diff``) that view one root the program
     made (views of an input are left as they are), with the root. A group's slot is the first output that is
     the root itself, else the next place past the outputs. Requires ``outs`` as the program returned them."""
+    given = {id(_root(p)) for p in primals if isinstance(p, torch.Tensor)}  # an input may itself be a view
     roots: dict[int, torch.Tensor] = {}
     for i in diff:
         o = outs[i]
-        if isinstance(o, torch.Tensor) and o._base is not None and not any(o._base is p for p in primals):
+        if isinstance(o, torch.Tensor) and o._base is not None and id(o._base) not in given:
             roots.setdefault(id(o._base), o._base)
     groups: list[tuple[_Views, torch.Tensor]] = []
     extra = len(outs)
