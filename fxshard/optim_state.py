@@ -24,6 +24,7 @@ since a rank whose scaler skipped the step does not get here) and the gradients
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -41,7 +42,10 @@ from .placements import Replicated
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
 
-_MODULES: "weakref.WeakSet[Any]" = weakref.WeakSet()  # live ShardedModules
+# live ShardedModules in the order they were made (the same on every rank, unlike a WeakSet's): a module's
+# gradient check is a collective, so ranks must run them in one order
+_MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_MADE = itertools.count()
 _STEP_HOOK: Optional[Any] = None
 _CHECKED = "_fxshard_checked"  # on an optimizer: its _Held
 _HOOKED = "_fxshard_state_hooks"  # on an optimizer: True once its state-dict hooks are registered
@@ -52,13 +56,15 @@ def track_optimizers(sm: Any) -> None:
     doc. Ensures: a global optimizer step pre-hook (one per process) registers the state-dict hooks on such
     an optimizer at its first step (converting state loaded before it), and checks each step (module doc)."""
     global _STEP_HOOK
-    _MODULES.add(sm)
+    _MODULES[next(_MADE)] = sm
     if _STEP_HOOK is None:
         _STEP_HOOK = register_optimizer_step_pre_hook(_on_step)
 
 
 def _owners() -> dict[int, tuple[Any, str]]:
-    return {id(p): (sm, fqn) for sm in list(_MODULES) for fqn, p in sm.named_parameters()}
+    """id of each live ShardedModule's parameter -> (a module holding it, its FQN there); a tensor several modules
+    share (``sources.py``) is laid out alike in each, so any of them describes it."""
+    return {id(p): (sm, fqn) for sm in list(_MODULES.values()) for fqn, p in sm.named_parameters()}
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -99,7 +105,8 @@ def _holdings(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], ids:
     owned = [owners[id(p)] for p in params if id(p) in owners]
     split = {fqn: how for sm, fqn in owned if (how := sm._how_split(fqn))}
     check_optimizer(optimizer, split)
-    modules = {id(sm): sm for sm, _ in owned}
+    held = set(ids)  # every module holding one of them, in the order they were made (the checks communicate)
+    modules = {id(sm): sm for sm in list(_MODULES.values()) if any(id(p) in held for p in sm.parameters())}
     ranks = frozenset(r for sm, fqn in owned if fqn in split
                       for a, pl in enumerate(sm._placements[fqn]) if not isinstance(pl, Replicated)
                       for r in dist.get_process_group_ranks(sm._mesh.get_group(a)))

@@ -258,3 +258,19 @@ def test_a_shared_tensor_laid_out_otherwise_raises_naming_both_layouts(cases):
         assert r["converted"] is not None and "torch.float16" in r["converted"], r
         assert r["after_release"], r
         assert r["fsdp2"] is not None and "fully_shard" in r["fsdp2"], r
+
+
+def test_an_optimizer_checks_every_module_holding_its_parameters_in_the_order_they_were_made(mesh2):
+    """A module's gradient check at an optimizer step is a collective, so every rank must check the same modules
+    in the same order. With a tensor shared by two modules, the step checked only one holder of it, whichever a
+    WeakSet (ordered by object addresses, which differ between ranks) listed last."""
+    from fxshard.optim_state import _CHECKED
+
+    m = _Seq2Seq()
+    s = torch.randint(0, 16, (2, 5))
+    enc = fxshard.shard(m.enc, mesh2, {}, example_inputs=(s,))
+    dec = fxshard.shard(m.dec, mesh2, {}, example_inputs=(s, torch.randn(2, 5, 8)))
+    assert enc.emb.weight is dec.emb.weight
+    opt = torch.optim.SGD(enc.parameters(), lr=0.1)
+    opt.step()
+    assert [ref() for ref in getattr(opt, _CHECKED).modules] == [enc, dec]
