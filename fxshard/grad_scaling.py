@@ -28,6 +28,7 @@ from .errors import ShardingError
 
 __all__ = ["calling_scaler", "check_scaler"]
 
+_STEPPING = frozenset({"step", "_maybe_opt_step"})  # GradScaler's methods that call optimizer.step()
 _DEPTH = 12  # frames above the step pre-hook searched for the scaler (optimizer.step's and LR schedulers' wrappers)
 
 
@@ -38,8 +39,11 @@ def calling_scaler() -> Optional[GradScaler]:
     for _ in range(_DEPTH):
         if frame is None:
             return None
-        # a method's frame only: reading f_locals copies a frame's locals (a training loop's can be many)
-        if frame.f_code.co_varnames[:1] == ("self",) and isinstance(owner := frame.f_locals.get("self"), GradScaler):
+        # only the scaler's methods that call optimizer.step(): reading f_locals copies a frame's locals, and this
+        # runs at every step (a training loop's or a trainer's frames hold many)
+        code = frame.f_code
+        if code.co_name in _STEPPING and code.co_varnames[:1] == ("self",) \
+                and isinstance(owner := frame.f_locals.get("self"), GradScaler):
             return owner
         frame = frame.f_back
     return None

@@ -287,10 +287,11 @@ def _replace_above_autograd(gm: fx.GraphModule) -> None:
     """Point every node of an op in ``_ABOVE_AUTOGRAD`` (in ``gm`` and its subgraphs) at its replacement."""
     for mod in gm.modules():
         if isinstance(mod, fx.GraphModule):
-            for n in mod.graph.nodes:
-                if n.op == "call_function" and n.target in _ABOVE_AUTOGRAD:
-                    n.target = _ABOVE_AUTOGRAD[n.target]
-            mod.recompile()
+            found = [n for n in mod.graph.nodes if n.op == "call_function" and n.target in _ABOVE_AUTOGRAD]
+            for n in found:
+                n.target = _ABOVE_AUTOGRAD[n.target]
+            if found:  # nearly no model has one: its code is not generated again for nothing
+                mod.recompile()
 
 
 def _scatter_value(self: torch.Tensor, dim: int, index: torch.Tensor, value: Any) -> torch.Tensor:
