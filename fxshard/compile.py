@@ -139,7 +139,7 @@ class FxshardBackend:
             sm = shard(view, self.mesh, plan, example_inputs=tuple(cap.inputs),
                        pipeline=pipeline.with_pass(OVERLAP) if self.overlap else _without_overlap(pipeline),
                        **options)
-        self._share(sm, cap)
+        self._record(sm, cap)
         self.modules.append(sm)
         if self.inner in (None, "none"):
             run = sm
@@ -182,30 +182,18 @@ class FxshardBackend:
         """Plan keys that matched nothing in any graph compiled so far (likely typos)."""
         return [k for k in self.plan if k not in self._matched]
 
-    def _share(self, sm: ShardedModule, cap: Captured) -> None:
-        """Make ``sm`` use the local shards of tensors sharded by earlier graphs; record new ones."""
+    def _record(self, sm: ShardedModule, cap: Captured) -> None:
+        """Record the local shards of the tensors ``sm`` holds that no earlier graph sharded (``shard()`` gave
+        ``sm`` the earlier graphs' local shards of the others: ``sources.py``, laid out alike by ``_plan_for``)."""
         placements = sm.sharding.placements
         for fqn, full in cap.tensors.items():
             i = id(full)
-            pls = placements[fqn]
             if i in self._local and self._full[i]() is full:
-                if self._placement[i] != pls:
-                    raise ShardingError(
-                        f"fxshard.backend: {fqn!r} is placed {pls} in this graph but {self._placement[i]} in an "
-                        f"earlier one (as {self._fqn[i]!r}); give tied/reused tensors one plan entry"
-                    )
-                shared = self._local[i]
-                *path, leaf = fqn.split(".")
-                owner = sm.get_submodule(".".join(path)) if path else sm
-                if isinstance(shared, nn.Parameter):
-                    owner.register_parameter(leaf, shared)
-                else:
-                    owner.register_buffer(leaf, shared)
-            else:
-                self._local[i] = sm._lookup(fqn)
-                self._full[i] = weakref.ref(full)
-                self._placement[i] = pls
-                self._fqn[i] = fqn
+                continue
+            self._local[i] = sm._lookup(fqn)
+            self._full[i] = weakref.ref(full)
+            self._placement[i] = placements[fqn]
+            self._fqn[i] = fqn
 
 
 @contextlib.contextmanager
