@@ -610,7 +610,8 @@ def _original_code(m: Any, orig: type, name: str, what: str) -> ShardingError:
     where = _stand_in_name(m) if isinstance(m, Scope) else f"a stand-in of {orig.__qualname__}"
     lowered = name.lower()
     if "init" in lowered or lowered.lstrip("_").startswith("reset"):
-        why = "an initializer would see this rank's local shapes and draw the same numbers on every rank"
+        why = ("an initializer would see this rank's local shapes (and a random one draw the same numbers on every "
+               "rank)")
         fix = ("Initialize on the ShardedModule with sm.init_parameters(fn) (fn(name, t) sees each tensor at its "
                "global shape) or sm.load_full_state_dict(...), or initialize the original model before shard()")
     else:
