@@ -162,6 +162,13 @@ class _RunSharded(torch.autograd.Function):
         return (None, None, None, *res)
 
 
+def _one_value(p: torch.Tensor) -> bool:
+    """Whether every element of this rank's piece of ``p`` is the same value (a constant fill)."""
+    t = p.to_local() if isinstance(p, DTensor) else p
+    with torch.no_grad():
+        return t.numel() == 0 or bool((t == t.reshape(-1)[0]).all())
+
+
 def _root(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage ``t`` views (``t`` itself when it is not a view)."""
     return t if t._base is None else t._base
@@ -1135,6 +1142,27 @@ class ShardedModule(_StandIn):
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer (non-persistent ones too), once per tensor."""
         return {**dict(self.named_parameters()), **dict(self.named_buffers())}
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "ShardedModule":
+        """``nn.Module.apply``. Stand-ins are instances of their original classes, so an initializer selecting
+        modules by type (``if isinstance(m, nn.Linear): nn.init.normal_(m.weight)``) runs on this rank's pieces:
+        on a split parameter it sees the piece's shape (its fan-in) and draws the same numbers on every rank, so
+        the full tensor is not what the unsharded model's init gives. Ensures: a split parameter ``fn`` wrote in
+        place with anything but one constant (``zeros_``, ``ones_``, ``constant_`` are right on pieces) is a
+        ShardingError naming it and ``init_parameters``."""
+        watched = [(fqn, p, p._version) for fqn, p in self.named_parameters() if self._how_split(fqn)]
+        super().apply(fn)
+        changed = [fqn for fqn, p, version in watched if p._version != version and not _one_value(p)]
+        if changed:
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise ShardingError(
+                f"{self._where}.apply(fn) wrote {', '.join(changed[:3])}{more} in place with values that are not one "
+                f"constant, but each rank holds only its piece of these split parameters ({self._how_split(changed[0])}"
+                f" for the first): an nn.init function run on a piece sees the piece's shape (its fan-in) and draws "
+                f"the same numbers on every rank, so they now hold other values than the unsharded model's init "
+                f"gives. Initialize them with sm.init_parameters(fn) (fn(name, t) sees each tensor at its global "
+                f"shape), or initialize the model before shard()")
+        return self
 
     def init_parameters(self, init: Callable[[str, torch.Tensor], Any], *, exact: bool = False,
                         seed: Optional[int] = None) -> None:

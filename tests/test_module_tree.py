@@ -345,3 +345,34 @@ def test_train_overrides_of_the_models_classes_set_modes_and_frozen_parameters_a
         a.backbone.stem.weight.requires_grad_(True), b.backbone.stem.weight.requires_grad_(True)
         a.train(), b.train()
         assert not a.backbone.stem.weight.requires_grad and not a.backbone.bn.training
+
+
+def test_apply_initializing_split_parameters_by_type_raises_constant_fills_pass(mesh2):
+    """With stand-ins instances of their classes, sm.apply(init) with an isinstance test runs nn.init on this rank's
+    pieces: a random init of a split weight drew the same numbers on both ranks (fan-in from the piece), silently.
+    It raises; constant fills (right on pieces) and replicated parameters pass and match eager's init."""
+    model = _Tagged()
+    sm = fxshard.shard(copy.deepcopy(model), mesh2, _TAGGED_PLAN, example_inputs=(torch.randn(8, 16),))
+
+    def normal_(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight)
+
+    with pytest.raises(ShardingError, match=r"apply\(fn\) wrote net1.weight.*init_parameters"):
+        sm.apply(normal_)
+
+    def fills(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
+            nn.init.constant_(m.weight, 0.25)
+        if isinstance(m, nn.LayerNorm):  # replicated: any init is right
+            nn.init.normal_(m.weight, generator=torch.Generator().manual_seed(3))
+
+    sm.apply(fills)
+    model.apply(fills)
+    for fqn, p in model.named_parameters():
+        local = sm.get_parameter(fqn).detach()
+        if sm._how_split(fqn):  # a constant fill: this rank's piece holds eager's one value
+            assert p.unique().numel() == 1 and torch.all(local == p.reshape(-1)[0]), fqn
+        else:
+            assert torch.equal(local, p.detach()), fqn
