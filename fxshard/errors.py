@@ -9,3 +9,11 @@ class ShardingError(ValueError):
     needs at least one element on each of the 4 ranks; use a mesh whose split divides 6 or leave
     dim 0 unsplit``.
     """
+
+
+def name_few(names: "list[str]", limit: int, sep: str = ", ") -> str:
+    """The first ``limit`` of ``names`` joined by ``sep`` for a message, then `` and N more`` if there are more.
+
+    Requires ``limit >= 1``. Ensures every name is counted: shown or in N."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return sep.join(names[:limit]) + more

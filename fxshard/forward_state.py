@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import ShardingError
+from .errors import ShardingError, name_few
 
 __all__ = ["ForwardState", "forward_state_unchanged", "host_rngs_unchanged", "warn_traced_hooks"]
 
@@ -258,9 +258,8 @@ def warn_traced_hooks(model: torch.nn.Module) -> None:
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         hooked.insert(0, "all modules (torch.nn.modules.module.register_module_forward_hook)")
     if hooked:
-        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
         warnings.warn(
-            f"fxshard: forward hooks on {', '.join(hooked[:3])}{more} run once, while {type(model).__name__} is "
+            f"fxshard: forward hooks on {name_few(hooked, 3)} run once, while {type(model).__name__} is "
             f"traced: what they compute on tensors is part of the program and runs on every call, but their "
             f"Python side effects (logging, collecting activations) happen only at shard(). Register hooks that "
             f"must run per call on the ShardedModule, or return the values from forward", stacklevel=3)

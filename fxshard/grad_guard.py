@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from .errors import name_few
 from .placements import Replicated
 from .replicas import check_replicas
 
@@ -128,9 +129,8 @@ def check_gradients(sm: Any) -> None:
         return
     if not sm.__dict__.get(_WARNED):
         sm.__dict__[_WARNED] = True
-        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
         warnings.warn(
-            f"fxshard: the gradients of {', '.join(changed[:3])}{more} in {sm._where} were changed in place after "
+            f"fxshard: the gradients of {name_few(changed, 3)} in {sm._where} were changed in place after "
             f"the backward, outside fxshard. Each rank holds only its pieces of split gradients, so a statistic "
             f"over a whole gradient (a norm, a max) computed on them is this rank's, not the model's: use "
             f"sm.clip_grad_norm_(max_norm) rather than torch.nn.utils.clip_grad_norm_(sm.parameters(), ...). "

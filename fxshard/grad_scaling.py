@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.amp import GradScaler
 from torch.amp.grad_scaler import OptState
 
-from .errors import ShardingError
+from .errors import ShardingError, name_few
 
 __all__ = ["calling_scaler", "check_scaler"]
 
@@ -61,8 +61,7 @@ def check_scaler(scaler: GradScaler, optimizer: torch.optim.Optimizer, split: di
         return
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # imports FSDP: only when needed
 
-    names = ", ".join(f"{fqn} ({how})" for fqn, how in list(split.items())[:3])
-    more = f" and {len(split) - 3} more" if len(split) > 3 else ""
+    names = name_few([f"{fqn} ({how})" for fqn, how in split.items()], 3)
     fix = (f"use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler({device!r}, ...) in place of "
            f"torch.amp.GradScaler (same arguments; its process group, the world by default, must hold every rank "
            f"of the mesh axes that split parameters): it combines the overflow flags over the ranks, so every rank "
@@ -70,7 +69,7 @@ def check_scaler(scaler: GradScaler, optimizer: torch.optim.Optimizer, split: di
     if not isinstance(scaler, ShardedGradScaler):
         raise ShardingError(
             f"{type(scaler).__name__}.step is stepping {type(optimizer).__name__}, which holds split parameters: "
-            f"{names}{more}. The scaler decides from this rank's gradients alone whether the step overflowed, and "
+            f"{names}. The scaler decides from this rank's gradients alone whether the step overflowed, and "
             f"this rank holds only its pieces of split gradients: an inf/NaN in one rank's piece makes that rank "
             f"skip the step while the others take it, so the model trains differently from the unsharded one "
             f"and replicated parameters drift apart between ranks (a rank that skipped waits in its next "
@@ -80,7 +79,7 @@ def check_scaler(scaler: GradScaler, optimizer: torch.optim.Optimizer, split: di
     if not set(ranks) <= held:
         raise ShardingError(
             f"ShardedGradScaler.step is stepping {type(optimizer).__name__}, which holds split parameters: "
-            f"{names}{more}, whose pieces are on ranks {sorted(ranks)}, but the scaler's process group holds ranks "
+            f"{names}, whose pieces are on ranks {sorted(ranks)}, but the scaler's process group holds ranks "
             f"{sorted(held)}: ranks outside it decide alone whether the step overflowed and may step while the "
             f"others skip; give the scaler a process group holding ranks {sorted(ranks)} (the default, the world, "
             f"does)")

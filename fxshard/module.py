@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .comm_errors import run_program
 from .description import Sharding
-from .errors import ShardingError
+from .errors import ShardingError, name_few
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
 from .inputs import InputCheck, check_no_autocast
 from .captured import Captured, check_captured
@@ -894,10 +894,9 @@ class ShardedModule(_StandIn):
         empty = [n for n, (ident, version) in self._unfilled.items()
                  if id(t := self._lookup(n)) == ident and t._version == version and holds_sentinel(t)]
         if empty:
-            more = f" and {len(empty) - 8} more" if len(empty) > 8 else ""
             raise ShardingError(
                 f"{self._where} was called before {len(empty)} of its {len(self._unfilled)} parameters/buffers "
-                f"were filled: {', '.join(empty[:8])}{more} came from a model built on the meta device and were "
+                f"were filled: {name_few(empty, 8)} came from a model built on the meta device and were "
                 f"never initialized or loaded, so they hold no values. Fill them first: sm.init_parameters(fn), "
                 f"sm.load_full_state_dict(path_or_state_dict), dcp.load(sm.sharded_state_dict(), ...), or "
                 f"in-place writes to sm's tensors (with torch.no_grad(): p.copy_(...), nn.init.*_(p))"
@@ -1154,9 +1153,8 @@ class ShardedModule(_StandIn):
         super().apply(fn)
         changed = [fqn for fqn, p, version in watched if p._version != version and not _one_value(p)]
         if changed:
-            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ShardingError(
-                f"{self._where}.apply(fn) wrote {', '.join(changed[:3])}{more} in place with values that are not one "
+                f"{self._where}.apply(fn) wrote {name_few(changed, 3)} in place with values that are not one "
                 f"constant, but each rank holds only its piece of these split parameters ({self._how_split(changed[0])}"
                 f" for the first): an nn.init function run on a piece sees the piece's shape (its fan-in) and draws "
                 f"the same numbers on every rank, so they now hold other values than the unsharded model's init "

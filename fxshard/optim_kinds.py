@@ -14,11 +14,10 @@ warns once per class.
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 
-from .errors import ShardingError
+from .errors import ShardingError, name_few
 
 __all__ = ["check_optimizer"]
 
@@ -54,11 +53,10 @@ def check_optimizer(optimizer: torch.optim.Optimizer, split: dict[str, str]) -> 
     cls = type(optimizer)
     found = _torch_class(cls)
     base = found.__name__ if found else None
-    names = ", ".join(f"{fqn} ({how})" for fqn, how in list(split.items())[:3])
-    more = f" and {len(split) - 3} more" if len(split) > 3 else ""
+    names = name_few([f"{fqn} ({how})" for fqn, how in split.items()], 3)
     if base in WHOLE_TENSOR:
         raise ShardingError(
-            f"{cls.__name__} computes {WHOLE_TENSOR[base]}, but it holds split parameters: {names}{more}; each "
+            f"{cls.__name__} computes {WHOLE_TENSOR[base]}, but it holds split parameters: {names}; each "
             f"rank would compute those over its piece only and update the model differently from the "
             f"unsharded one. Use an elementwise optimizer (SGD, Adam, AdamW, ...) for the split parameters, or "
             f"leave them out of the plan (replicated), or give this optimizer only replicated parameters")
@@ -68,7 +66,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer, split: dict[str, str]) -> 
         _WARNED.add(cls)
         what = f"derives from torch's {base} but may override its step" if base else "is not a torch optimizer"
         warnings.warn(
-            f"fxshard: {cls.__name__} {what}, and it holds split parameters ({names}{more}), of which each rank "
+            f"fxshard: {cls.__name__} {what}, and it holds split parameters ({names}), of which each rank "
             f"holds a piece. If its step reads statistics over a whole parameter (a norm, row or column means, "
             f"an orthogonalization) or over all parameters, each rank computes them over its pieces and the "
             f"model trains differently from the unsharded one; an update that reads each element's gradient "

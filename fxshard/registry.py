@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
 from .placements import Pl, R, S

@@ -12,13 +12,13 @@ model holds no values until it is filled: it is created holding ``sentinel(dtype
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import ShardingError
+from .errors import ShardingError, name_few
 from .mesh import MeshInfo
 from .placements import Pl, Replicated
 
@@ -109,8 +109,7 @@ def check_replicas(tensors: Mapping[str, torch.Tensor], placements: Mapping[str,
                     bad.setdefault(name, text)
     if bad:
         names = [bad[n] for n in tensors if n in bad]
-        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        raise ShardingError(f"replicated values differ between ranks: {'; '.join(names[:5])}{more}; {why}")
+        raise ShardingError(f"replicated values differ between ranks: {name_few(names, 5, '; ')}; {why}")
 
 
 def sentinel(dtype: torch.dtype) -> Optional[Any]:
