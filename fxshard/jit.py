@@ -58,7 +58,7 @@ from .module import Program
 from .frontend import check_consistent, context_for, graph_outputs, required_outputs
 from .passes.annotate import check_divisible, spec_leaves
 from .passes.solve import PLANNERS
-from .passes.trace import DROP, _cse, joint_decomposition_table, tracing_errors
+from .passes.trace import DROP, _cse, joint_decomposition_table, margin_losses_as_eager, tracing_errors
 from .pipeline import DEFAULT, Pipeline
 from .placements import P, Pl
 from .plan import is_spec_leaf, to_placements
@@ -272,7 +272,8 @@ class ShardedFunction:
         def flat_fn(*tensors: torch.Tensor) -> list[Any]:
             it = iter(tensors)
             flat = [next(it) if l.is_tensor else l.value for l in leaves]
-            outs = fn(*pytree.tree_unflatten(flat, tree))
+            with margin_losses_as_eager():
+                outs = fn(*pytree.tree_unflatten(flat, tree))
             out_flat, out_tree[0] = pytree.tree_flatten(outs)
             for i, o in enumerate(out_flat):
                 if not isinstance(o, (torch.Tensor, int, float, bool, str)):

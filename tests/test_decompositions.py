@@ -8,7 +8,8 @@ decomposition of multilabel_margin_loss counted the target slots after the first
 eager's 2.54), and multi_margin_loss's passed a gradient through hinge terms that are exactly 0.
 ``passes/trace.py::EAGER_DERIVATIVE`` keeps the first kind whole (eager's kernel, eager's derivative
 formula, a sharding rule each); the margin losses get decompositions whose autodiff is eager's
-(``_ABOVE_AUTOGRAD``: torch decomposes them above autograd).
+(``_ABOVE_AUTOGRAD``: torch decomposes them above autograd; ``fxshard.jit`` calls them through
+``margin_losses_as_eager``).
 
 One spawn of 2 gloo ranks checks every op at the inputs that broke it, with nothing split and with a
 column-parallel linear feeding the op (a row-parallel one after it), against the model run unsharded.
@@ -172,7 +173,34 @@ def _train_all(rank: int, world: int) -> dict:
         kept = {str(n.target) for p in sm._programs() if p.label == "forward" for n in p.gm.graph.nodes}
         res[plan_name] = {"errs": errs, "fallbacks": sorted({f for p in sm._programs() for f in p.fallbacks}),
                           "kept": sorted(kept & {str(op) for op in EAGER_DERIVATIVE})}
+    res["jit"] = _jit_margin_losses(mesh, rank, world, inputs)
     return res
+
+
+# fxshard.jit traces Python functions with make_fx, where torch decomposes the margin losses above autograd
+JIT_LOSSES: dict[str, Callable] = {
+    "multilabel_margin": lambda h, labels: F.multilabel_margin_loss(h / 40, labels),
+    "multilabel_margin_sum": lambda h, labels: nn.MultiLabelMarginLoss(reduction="sum")(h / 40, labels),
+    "multi_margin": lambda h, labels: F.multi_margin_loss(_fake_quant(h / 10), labels[:, 0]),
+    "multi_margin_p2": lambda h, labels: torch._C._nn.multi_margin_loss(_fake_quant(h / 10), labels[:, 0], 2, 1.0,
+                                                                        None, 1),
+}
+
+
+def _jit_margin_losses(mesh, rank: int, world: int, inputs: tuple) -> dict:
+    """Per loss: value and weight-gradient errors of ``fxshard.jit`` (weight class-split) against eager."""
+    x, _, labels = inputs
+    w = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    errs = {}
+    for name, f in JIT_LOSSES.items():
+        def step(w: torch.Tensor, x: torch.Tensor, labels: torch.Tensor, f: Callable = f) -> tuple:
+            return torch.func.grad_and_value(lambda w: f(x * 40 @ w.T, labels))(w)
+
+        want_g, want_v = step(w, x, labels)
+        jstep = fxshard.jit(step, mesh, in_specs=(P("tp", None), None, None), out_specs=(P("tp", None), None))
+        got_g, got_v = jstep(w.chunk(world)[rank], x, labels)
+        errs[name] = (_rel_err(got_v, want_v), _rel_err(got_g, want_g.chunk(world)[rank]))
+    return errs
 
 
 def test_traced_gradients_match_eager_on_two_ranks():
@@ -185,6 +213,8 @@ def test_traced_gradients_match_eager_on_two_ranks():
             assert not bad, (plan, bad)
             assert not r["fallbacks"], (plan, r["fallbacks"])
             assert r["kept"] == sorted(str(op) for op in EAGER_DERIVATIVE), (plan, r["kept"])
+        bad = {k: v for k, v in res["jit"].items() if not (v[0] <= RTOL and v[1] <= RTOL)}
+        assert not bad and len(res["jit"]) == len(JIT_LOSSES), bad
 
 
 def test_kept_ops_stay_whole_in_both_tables_and_have_rules():

@@ -27,6 +27,7 @@ import functools
 import io
 import logging
 import os
+import inspect
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -35,9 +36,12 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
 from torch._decomp import decompositions as _decomps
 from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, has_metadata_mutation, to_fun
 from torch.export.graph_signature import ConstantArgument, InputKind
+from torch.nn import _reduction as _Reduction
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..constrain import constraint_scope, record
@@ -53,7 +57,7 @@ from .simplify import drop_noop_clones
 aten = torch.ops.aten
 
 __all__ = ["Traced", "Slot", "trace_forward", "source_line", "decomposition_table", "joint_decomposition_table",
-           "tracing_errors", "EAGER_DERIVATIVE",
+           "tracing_errors", "EAGER_DERIVATIVE", "margin_losses_as_eager",
            "FUSED_FORWARD", "FUSED_BACKWARD", "FUSED_GRAD_ARGS", "STOP_KEY"]
 
 
@@ -281,6 +285,34 @@ _ABOVE_AUTOGRAD = {
     aten.multilabel_margin_loss_forward.default: _multilabel_margin_loss_forward,
     aten.multi_margin_loss.default: _multi_margin_loss,
 }
+
+
+class margin_losses_as_eager(TorchFunctionMode):
+    """While active, ``torch.nn.functional``'s (and ``torch._C._nn``'s) margin losses of ``_ABOVE_AUTOGRAD``
+    run its replacements: ``make_fx`` traces of Python functions (``fxshard.jit``) then hold them where
+    torch's Autograd-key decomposition would run (export graphs are fixed by ``_replace_above_autograd``).
+
+    Ensures: values and gradients as eager's kernels; anything else (and a ``p`` torch rejects) runs as called."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _MARGIN_FUNCTIONAL:
+            a = inspect.signature(func).bind(*args, **kwargs)
+            a.apply_defaults()
+            a = dict(a.arguments)
+            size_average, reduce, reduction = a.pop("size_average"), a.pop("reduce"), a.pop("reduction")
+            a["reduction"] = (_Reduction.legacy_get_enum(size_average, reduce)
+                              if size_average is not None or reduce is not None else _Reduction.get_enum(reduction))
+            if a.get("p", 1) in (1, 2):  # the replacements take the rest in the same order
+                return _MARGIN_FUNCTIONAL[func](*a.values())
+        elif func in _MARGIN_C:
+            return _MARGIN_C[func](*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+_MARGIN_FUNCTIONAL = {F.multilabel_margin_loss: _multilabel_margin_loss, F.multi_margin_loss: _multi_margin_loss}
+_MARGIN_C = {torch._C._nn.multilabel_margin_loss: _multilabel_margin_loss,
+             torch._C._nn.multi_margin_loss: _multi_margin_loss}
 
 
 def _replace_above_autograd(gm: fx.GraphModule) -> None:
