@@ -33,8 +33,8 @@ from .passes.trace import Traced
 from .checkpoint import (
     Piece, assemble, global_view, held_pieces, local_piece, open_checkpoint, storage, take,
 )
-from .placements import Pl, R
-from .replicas import check_replicas, communicates, from_source, holds_sentinel
+from .placements import Pl, R, S
+from .replicas import check_pieces_differ, check_replicas, communicates, from_source, holds_sentinel
 from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
 
@@ -817,6 +817,10 @@ class ShardedModule(_StandIn):
         self._unfilled: Optional[dict[str, tuple[int, int]]] = None
         if unfilled:
             self._unfilled = {n: (id(self._lookup(n)), self._lookup(n)._version) for n in unfilled}
+        # split parameters, checked at the first call if written in place other than by fxshard's fills
+        self._piece_watch: Optional[dict[str, tuple[int, int]]] = None
+        if communicates(self._mesh):
+            self._piece_watch = {n: (id(p), p._version) for n, p in self.named_parameters() if self._split_axes(n)}
         self.register_state_dict_post_hook(_state_dict_as_dtensors)
         self.register_load_state_dict_pre_hook(_state_dict_from_dtensors)
         track_optimizers(self)
@@ -903,10 +907,39 @@ class ShardedModule(_StandIn):
             )
         self._unfilled = None
 
+    def _check_pieces(self) -> None:
+        """Raise if every rank of a mesh axis wrote a split parameter's piece in place with the same values
+        (not one constant) since ``shard()``, other than through fxshard's fills (see ``_piece_watch``):
+        ``nn.init.*_(p)`` on the pieces with one seed everywhere. Once: a collective at the first call."""
+        watch, self._piece_watch = self._piece_watch, None
+        written = {}
+        for n, (ident, version) in watch.items():
+            t = self._lookup(n)
+            if id(t) == ident and t._version != version and not _one_value(t):
+                written[n] = t.to_local() if isinstance(t, DTensor) else t
+        check_pieces_differ(
+            written, {n: self._split_axes(n) for n in watch}, self._mesh,
+            f"{self._where} was called after split parameters were written in place on every rank alike",
+            "each rank holds only its piece of a split parameter, so the full tensor now repeats one piece instead "
+            "of holding what the unsharded model's init gives (nn.init.*_(p) on sm.parameters() draws the same "
+            "numbers on every rank seeded alike, and takes fan-in from the piece's shape). Initialize with "
+            "sm.init_parameters(fn) (fn(name, t) sees each tensor at its global shape), load full values with "
+            "sm.load_full_state_dict(...), or initialize the model before shard(); pieces meant to be equal "
+            "(experts copied from one layer) can be written with sm.init_parameters(fn, exact=True)")
+
+    def _split_axes(self, fqn: str) -> list[int]:
+        """The mesh axes of several ranks that parameter or buffer ``fqn`` is split over."""
+        return [a for a, pl in enumerate(self._placements[fqn]) if isinstance(pl, S) and self._info.sizes[a] > 1]
+
     def _mark_filled(self, names: Any) -> None:
+        """Note that fxshard wrote ``names`` (fills and loads): they are no longer unfilled, nor checked by
+        ``_check_pieces``."""
         if self._unfilled is not None:
             for n in names:
                 self._unfilled.pop(n, None)
+        if self._piece_watch is not None:
+            for n in names:
+                self._piece_watch.pop(n, None)
 
     def _call_error(self, progs: Programs, args: tuple, kwargs: dict) -> ShardingError:
         """Why ``(args, kwargs)`` does not have the structure the module was sharded for."""
@@ -1038,6 +1071,8 @@ class ShardedModule(_StandIn):
         forward_started(self)
         progs = self._for_mode()
         self._check_filled()
+        if self._piece_watch is not None and not torch.compiler.is_compiling():
+            self._check_pieces()
         fsdp = self._fsdp_scopes()
         if (fsdp or _is_fsdp(self, "_fully_shard", "FSDPModule")) and "_fsdp_hooks" not in self.__dict__:
             # the pre-hook before FSDP2's own pre-forward hook, the hook after its post-forward hook

@@ -6,7 +6,8 @@ does that for one full tensor: every rank ends up with the full tensor of the ra
 coordinate ``src`` on every mesh axis (one broadcast per axis, one full buffer at a time),
 and keeps its slice. With ``src_data_rank=None`` each rank keeps its own values, and
 ``check_replicas`` compares a checksum of every value that must be equal across ranks
-(replicated on some mesh axis) and names the ones that differ. A shard of a meta-built
+(replicated on some mesh axis) and names the ones that differ; ``check_pieces_differ`` names
+split tensors whose pieces are all equal (written on every rank alike). A shard of a meta-built
 model holds no values until it is filled: it is created holding ``sentinel(dtype)``.
 """
 
@@ -22,7 +23,8 @@ from .errors import ShardingError, name_few
 from .mesh import MeshInfo
 from .placements import Pl, Replicated
 
-__all__ = ["communicates", "from_source", "check_replicas", "checksum", "sentinel", "holds_sentinel"]
+__all__ = ["communicates", "from_source", "check_replicas", "check_pieces_differ", "checksum", "sentinel",
+           "holds_sentinel"]
 
 _CHUNK = 1 << 20  # elements per checksum step: bounds the checksum's transient memory
 
@@ -100,16 +102,53 @@ def check_replicas(tensors: Mapping[str, torch.Tensor], placements: Mapping[str,
             diff = [r for r, other in zip(ranks, everyone) if other is not None and other.get(name) != sums[name]]
             if diff:
                 bad[name] = f"{name} (rank {info.rank} vs rank {diff[0]}, replicated on mesh axis {axis!r})"
-    for a in range(len(info.names)):  # every rank learns every difference, so all of them raise
+    bad = _everyones(bad, info, mesh)
+    if bad:
+        names = [bad[n] for n in tensors if n in bad]
+        raise ShardingError(f"replicated values differ between ranks: {name_few(names, 5, '; ')}; {why}")
+
+
+def check_pieces_differ(written: Mapping[str, torch.Tensor], split: Mapping[str, Sequence[int]], mesh: DeviceMesh,
+                        what: str, why: str) -> None:
+    """Raise a ShardingError on every rank naming the split tensors whose pieces every rank of a mesh axis they
+    are split over wrote (``written``: this rank's piece, by name) with the same values.
+
+    Requires ``split`` (name -> the mesh axes it is split over) the same on every rank; ``written`` may differ
+    (a name some rank did not write is not named). One ``all_gather_object`` of checksums per mesh axis of
+    several ranks something is split over, then one per axis to share the findings; none when ``split`` is
+    empty. The message is ``what``, the names, then ``why``.
+    """
+    if not communicates(mesh) or not split:
+        return
+    info = MeshInfo.of(mesh)
+    sums = {name: checksum(t) for name, t in written.items()}
+    bad: dict[str, str] = {}
+    for a, axis in enumerate(info.names):
+        names = [n for n, axes in split.items() if a in axes]
+        if info.sizes[a] == 1 or not names:
+            continue
+        everyone: list[Optional[dict]] = [None] * info.sizes[a]
+        dist.all_gather_object(everyone, {n: sums[n] for n in names if n in sums}, group=mesh.get_group(a))
+        for n in names:
+            if n in sums and n not in bad and all(other is not None and other.get(n) == sums[n] for other in everyone):
+                bad[n] = f"{n} (split over {axis!r})"
+    bad = _everyones(bad, info, mesh)
+    if bad:
+        raise ShardingError(f"{what}: {name_few([bad[n] for n in split if n in bad], 3)} hold the same piece on "
+                            f"every rank of the mesh axis they are split over; {why}")
+
+
+def _everyones(bad: dict[str, str], info: MeshInfo, mesh: DeviceMesh) -> dict[str, str]:
+    """``bad`` merged with every other rank's (one ``all_gather_object`` per mesh axis of several ranks, in
+    order: what one rank found reaches all), so every rank raises alike."""
+    for a in range(len(info.names)):
         if info.sizes[a] > 1:
             found: list[Optional[dict]] = [None] * info.sizes[a]
             dist.all_gather_object(found, bad, group=mesh.get_group(a))
             for other in found:
                 for name, text in (other or {}).items():
                     bad.setdefault(name, text)
-    if bad:
-        names = [bad[n] for n in tensors if n in bad]
-        raise ShardingError(f"replicated values differ between ranks: {name_few(names, 5, '; ')}; {why}")
+    return bad
 
 
 def sentinel(dtype: torch.dtype) -> Optional[Any]:

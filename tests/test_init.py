@@ -6,7 +6,9 @@
 * tiled memory: a 512 MiB parameter initializes with peak RSS growth far below its size (one tile at a
   time; the former behaviour built the full tensor on every rank);
 * exact: a per-tensor seeded init reproduces the unsharded init bit for bit;
-* an init the tiles cannot replay raises a ShardingError; a tensor init does not write stays unfilled.
+* an init the tiles cannot replay raises a ShardingError; a tensor init does not write stays unfilled;
+* ``nn.init`` run on the local pieces (the same numbers on every rank) raises at the first call; pieces
+  written with their own values do not.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard import ColwiseParallel, RowwiseParallel, ShardingError
+from fxshard import ColwiseParallel, ShardingError
 from fxshard.checkpoint import Piece
 from fxshard.tiled_init import fill
 from tests import models
@@ -127,7 +129,35 @@ def _inits(rank: int, world: int) -> dict:
     out["exact_state"] = max((full[k] - ref.state_dict()[k]).abs().max().item() for k in full)
     out["exact_loss"] = abs(sm(*batch).item() - ref(*batch).item())
 
+    out["pieces"] = _pieces_written(rank, mesh)
     out["big"] = _big(rank, mesh)
+    return out
+
+
+def _pieces_written(rank: int, mesh) -> dict:
+    """nn.init on sm's pieces (one seed on every rank) raises at the first call; pieces each rank writes with
+    its own values (the full values scaled) do not, and compute as the unsharded model."""
+    out = {}
+    sm, batch = _meta_llama(mesh)
+    sm.init_parameters(lambda n, t: t.copy_(ROPE[n]) if n in ROPE else None)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in sm.parameters():
+            nn.init.normal_(p, std=0.02) if p.dim() >= 2 else nn.init.ones_(p)
+    try:
+        sm(*batch)
+        out["same_seed"] = ""
+    except ShardingError as e:
+        out["same_seed"] = str(e)
+    torch.manual_seed(6)
+    ref = models.LlamaDecoder(**LLAMA)
+    sm = fxshard.shard(ref, mesh, llama_megatron_plan(2), example_inputs=batch)
+    with torch.no_grad():
+        for p in sm.parameters():
+            p.mul_(1.5)  # each rank writes its own piece: they differ
+    scaled = {n: t * 1.5 for n, t in ref.state_dict().items() if n not in ROPE}
+    ref.load_state_dict(scaled, strict=False)
+    out["own_slices_loss"] = abs(sm(*batch).item() - ref(*batch).item())
     return out
 
 
@@ -140,6 +170,12 @@ def test_init_parameters_tiled_and_exact():
         assert "rope_cos" in res["unfilled"] and "tok_embeddings" not in res["unfilled"], res
         assert "rope_cos" in res["exact_unfilled"] and "tok_embeddings" not in res["exact_unfilled"], res
         assert res["exact_state"] == 0.0 and res["exact_loss"] <= TOL, res
+        pieces = res["pieces"]
+        # the embedding and column/row-split weights repeat one piece; norms (ones) are constant fills
+        assert "written in place on every rank alike" in pieces["same_seed"], pieces
+        assert "tok_embeddings.weight (split over 'tp')" in pieces["same_seed"], pieces
+        assert "sm.init_parameters(fn)" in pieces["same_seed"] and "norm" not in pieces["same_seed"], pieces
+        assert pieces["own_slices_loss"] <= TOL, pieces
         big = res["big"]
         assert big["rows_equal"] and 0.015 < big["std"] < 0.025, big
         # the shard (half of 512 MiB) exists before; init adds about one 1 MiB tile, never a full tensor
