@@ -174,7 +174,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
         say(f"auto: the result needs {fmt_bytes(sm._auto.measured)} per rank, over the budget; planning again "
             f"against {fmt_bytes(req.budget - margin)}")
         req = replace(req, margin=margin)
-    remember(sm, origins, type(model).__name__, unfilled)
+    remember(sm, origins, model, unfilled)
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "

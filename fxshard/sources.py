@@ -23,7 +23,14 @@ independent, and FSDP2's ``fully_shard(sm)`` (which registers its own parameters
 it replaced unsharable (:func:`shared_local` raises rather than share a tensor nothing trains). Not detected:
 ``fully_shard`` of one of two ShardedModules that share a tensor already (the other keeps the tensor FSDP2
 replaced; torch's FSDP2 likewise needs a shared parameter in one group), and a source used outside the
-ShardedModule without a gradient (an eval forward of the parent computes with the stale values).
+ShardedModule without a gradient other than by ``state_dict()`` (an eval forward of the parent computes with
+the stale values).
+
+The ``state_dict()`` of the sharded model (or of a module of it a parent still reaches) returns the sources'
+values; once a ShardedModule holding them changed its local tensors (trained, loaded, initialized), they are
+stale, and a state_dict pre-hook raises a ShardingError (``torch.save(model.state_dict())`` after training the
+ShardedModule saved the values from before, silently), until the values are copied back
+(``model.load_state_dict(sm.full_state_dict())``).
 
 Liveness must be the same on every rank (whether a source is shared decides whether ``shard()`` broadcasts it):
 a ShardedModule that is garbage in a reference cycle is alive until the collector runs, which differs between
@@ -41,7 +48,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .errors import ShardingError
+from .errors import ShardingError, name_few
 from .placements import Pl, R
 
 __all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "SHARED"]
@@ -90,6 +97,8 @@ class _Entry:
     holders: list[tuple["weakref.ref[Any]", str]]
     hook: Any = None  # the source's post-accumulate-grad hook (None for a buffer or a frozen parameter)
     blank: Optional[tuple["weakref.ref[torch.Tensor]", int]] = None  # an unfilled local tensor and its version
+    # the local tensor, its version and the source's when the entry was made (see _stale)
+    made: Optional[tuple["weakref.ref[torch.Tensor]", int, int]] = None
 
 
 _ENTRIES: dict[int, _Entry] = {}  # id(source) -> entry (the source's weakref tells an id reused after it died)
@@ -169,26 +178,75 @@ def is_blank(source: torch.Tensor, local: torch.Tensor) -> bool:
             and local._version == entry.blank[1])
 
 
-def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: str,
+def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: torch.nn.Module,
              blank: Iterable[str] = ()) -> None:
-    """Requires: ``sm`` is the ShardedModule ``shard()`` built from a model of type ``model``, ``sources`` maps
-    each of its parameter/buffer FQNs (one per tensor) to the model's tensor and the layout it has in ``sm``;
-    ``blank`` are the FQNs whose local tensors were made unfilled. Ensures: :func:`shared_local` finds ``sm``'s
-    local tensors while ``sm`` lives, and a source parameter that gets a gradient meanwhile raises (module
-    doc)."""
+    """Requires: ``sm`` is the ShardedModule ``shard()`` built from ``model``, ``sources`` maps each of its
+    parameter/buffer FQNs (one per tensor) to the model's tensor and the layout it has in ``sm``; ``blank`` are
+    the FQNs whose local tensors were made unfilled. Ensures: :func:`shared_local` finds ``sm``'s local tensors
+    while ``sm`` lives; meanwhile a source parameter that gets a gradient raises, and so does the
+    ``state_dict()`` of a module of ``model`` that owns a stale source (module doc)."""
     blank = set(blank)
+    name = type(model).__name__
     for fqn, (source, layout) in sources.items():
         key = id(source)
         entry = _entry(source)
         if entry is None:
             local = sm._lookup(fqn)
-            entry = _Entry(weakref.ref(source), layout, tuple(local.shape), f"{fqn!r} of {model}", [])
+            entry = _Entry(weakref.ref(source), layout, tuple(local.shape), f"{fqn!r} of {name}", [])
             if fqn in blank:
                 entry.blank = (weakref.ref(local), local._version)
+            if not source.is_meta:
+                entry.made = (weakref.ref(local), local._version, source._version)
             if isinstance(source, torch.nn.Parameter) and source.requires_grad:
                 entry.hook = source.register_post_accumulate_grad_hook(_stale_source_trained)
             _ENTRIES[key] = entry
         entry.holders.append((weakref.ref(sm, lambda _, key=key: _forget(key)), fqn))
+    ids = {id(source) for source, _ in sources.values()}
+    for m in model.modules():  # the model, and its modules that a parent may still reach (a shared submodule)
+        if m not in _WATCHED and (m is model or any(id(t) in ids for t in (*m._parameters.values(),
+                                                                           *m._buffers.values()))):
+            _WATCHED[m] = m.register_state_dict_pre_hook(_refuse_stale_state_dict)
+
+
+_WATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> its hook
+
+
+def _stale(entry: _Entry, source: torch.Tensor) -> bool:
+    """Whether ``source`` holds other values than the ShardedModules that hold its local tensor: they wrote that
+    tensor (trained, loaded or initialized it) since ``shard()`` or since the source was last written, and
+    nothing wrote the source since (a source written after its local tensor was copied back: later writes of
+    the local tensor make it stale again)."""
+    if entry.made is None:
+        return False
+    local, version, source_version = entry.made
+    t = local()
+    if t is None:
+        return False
+    if source._version != source_version:
+        entry.made = (local, t._version, source._version)
+        return False
+    return t._version != version
+
+
+def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    """The state_dict pre-hook of a module of a sharded model that owns sources: raises a ShardingError if one of
+    them is stale while a ShardedModule holding it lives (``torch.save(model.state_dict())`` after training the
+    ShardedModule would save the values from before)."""
+    stale = []
+    for attr, t in (*module.named_parameters(), *module.named_buffers()):
+        entry = _entry(t)
+        if entry is not None and _stale(entry, t):
+            stale.append((prefix + attr, entry))
+    if stale:
+        sm, fqn = next((ref(), fqn) for ref, fqn in stale[0][1].holders if ref() is not None)
+        names = name_few([n for n, _ in stale], 3)
+        raise ShardingError(
+            f"{type(module).__name__}.state_dict() would return stale values for {names}: fxshard.shard() made "
+            f"them the sources of {sm._where}'s local tensors (e.g. {fqn!r}), which it has changed since (trained, "
+            f"loaded or initialized), while the model's own tensors still hold the values from before shard(). "
+            f"Take the ShardedModule's values: sm.full_state_dict() (full tensors under these keys), "
+            f"sm.state_dict() (DTensors) or dcp.save(sm.sharded_state_dict(), ...); or copy them back first "
+            f"(model.load_state_dict(sm.full_state_dict()))")
 
 
 def _forget(key: int) -> None:

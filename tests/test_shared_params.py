@@ -213,12 +213,50 @@ def _layouts(mesh) -> dict:
     return out
 
 
+def _stale_state_dict(mesh) -> dict:
+    """model.state_dict() of a sharded model: as before until the ShardedModule changes its tensors, then a
+    ShardingError (it would return the values from before: torch.save of it saved an untrained model), also
+    through a parent; right again once the values are copied back, stale again after the next step."""
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(8, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sm = fxshard.shard(model, mesh, MLP_PLAN, example_inputs=(x, 1.0))
+    out: dict = {"untouched": all(torch.equal(v, before[k]) for k, v in model.state_dict().items())}
+    opt = torch.optim.SGD(sm.parameters(), lr=0.1)
+    sm(x, 1.0).square().sum().backward()
+    opt.step()
+    out["after_step"] = _state_dict_error(model)
+    out["parent"] = _state_dict_error(nn.ModuleDict({"inner": model}))
+    again = fxshard.shard(model, mesh, MLP_PLAN, example_inputs=(x, 1.0))  # sharding again reads no stale value
+    out["shard_again"] = again.net1.weight is sm.net1.weight
+    del again
+    model.load_state_dict(sm.full_state_dict())
+    out["copied_back"] = all(torch.equal(model.state_dict()[k], v) for k, v in sm.full_state_dict().items())
+    sm(x, 1.0).square().sum().backward()
+    opt.step()
+    out["stale_again"] = _state_dict_error(model)
+    del sm, opt
+    gc.collect()
+    out["released"] = _state_dict_error(model)  # no ShardedModule holds them: the model is the only copy
+    return out
+
+
+def _state_dict_error(m: nn.Module) -> str | None:
+    try:
+        m.state_dict()
+        return None
+    except ShardingError as e:
+        return str(e)
+
+
 def _cases(rank: int, world: int) -> dict:
     mesh = fxshard.init_mesh(tp=world)
     res = {f"{name}/{'split' if split else 'replicated'}": fn(mesh, split)
            for name, fn in (("seq2seq", _seq2seq), ("twice", _shard_twice)) for split in (False, True)}
     res["parent"] = _tied_parent(mesh)
     res["layouts"] = _layouts(mesh)
+    res["stale_state_dict"] = _stale_state_dict(mesh)
     return res
 
 
@@ -274,3 +312,13 @@ def test_an_optimizer_checks_every_module_holding_its_parameters_in_the_order_th
     opt = torch.optim.SGD(enc.parameters(), lr=0.1)
     opt.step()
     assert [ref() for ref in getattr(opt, _CHECKED).modules] == [enc, dec]
+
+
+def test_the_state_dict_of_a_stale_sharded_model_raises(cases):
+    for res in cases:
+        r = res["stale_state_dict"]
+        assert r["untouched"] and r["copied_back"] and r["shard_again"] and r["released"] is None, r
+        for key in ("after_step", "stale_again", "parent"):
+            assert r[key] is not None and "_Net.state_dict() would return stale values" in (r[key] or ""), (key, r)
+            assert "net1.weight" in r[key] and "sm.full_state_dict()" in r[key], (key, r)
+        assert "norm.running_mean" in r["after_step"] or " more" in r["after_step"], r
