@@ -42,7 +42,7 @@ from .progress import Progress, reporter
 from .remat import Policy, check_policy
 from .placements import Pl, R
 from .plan import resolve_boundaries, resolve_plan
-from .sources import Layout, is_blank, remember, settle, shared_local
+from .sources import Layout, is_blank, remember, settle, shard_tracing, shared_local
 from .spec import local_shape
 from .symbolic import sym_shape
 
@@ -241,7 +241,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     thresholds = gc.get_threshold()
     gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
     try:
-        with _use_lazy_graph_module(True):
+        with _use_lazy_graph_module(True), shard_tracing():
             out = _shard_programs_lazily(model, info, req, say)
     finally:
         gc.set_threshold(*thresholds)

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from .errors import ShardingError, name_few
+from .sources import is_stale_check
 
 __all__ = ["ForwardState", "forward_state_unchanged", "host_rngs_unchanged", "warn_traced_hooks"]
 
@@ -254,7 +255,8 @@ def warn_traced_hooks(model: torch.nn.Module) -> None:
     have forward (pre-)hooks: tracing runs them once (module doc)."""
     from torch.nn.modules import module as nn_module
 
-    hooked = [fqn or "<root>" for fqn, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+    hooked = [fqn or "<root>" for fqn, m in model.named_modules()
+              if m._forward_hooks or any(not is_stale_check(h) for h in m._forward_pre_hooks.values())]
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         hooked.insert(0, "all modules (torch.nn.modules.module.register_module_forward_hook)")
     if hooked:

@@ -22,15 +22,16 @@ only if ``shard()`` made it: a copy (``copy.deepcopy(sm)``, a loaded pickle) has
 independent, and FSDP2's ``fully_shard(sm)`` (which registers its own parameters in ``sm``) makes the tensors
 it replaced unsharable (:func:`shared_local` raises rather than share a tensor nothing trains). Not detected:
 ``fully_shard`` of one of two ShardedModules that share a tensor already (the other keeps the tensor FSDP2
-replaced; torch's FSDP2 likewise needs a shared parameter in one group), and a source used outside the
-ShardedModule without a gradient other than by ``state_dict()`` (an eval forward of the parent computes with
-the stale values).
+replaced; torch's FSDP2 likewise needs a shared parameter in one group), and other reads of a stale source
+(the tensor itself, ``model.net.weight``).
 
-The ``state_dict()`` of the sharded model (or of a module of it a parent still reaches) returns the sources'
-values; once a ShardedModule holding them changed its local tensors (trained, loaded, initialized), they are
-stale, and a state_dict pre-hook raises a ShardingError (``torch.save(model.state_dict())`` after training the
-ShardedModule saved the values from before, silently), until the values are copied back
-(``model.load_state_dict(sm.full_state_dict())``).
+The sharded model's forward and ``state_dict()`` (or those of a module of it a parent still reaches) use the
+sources' values; once a ShardedModule holding them changed its local tensors (trained, loaded, initialized),
+they are stale, and a forward / state_dict pre-hook raises a ShardingError (``model(x)`` after training the
+ShardedModule computed with the values from before and ``torch.save(model.state_dict())`` saved them,
+silently), until the values are copied back (``model.load_state_dict(sm.full_state_dict())``). The hooks do
+nothing while ``shard()`` traces the model (:func:`shard_tracing`) and remove themselves from a module none of
+whose tensors a live ShardedModule holds.
 
 Liveness must be the same on every rank (whether a source is shared decides whether ``shard()`` broadcasts it):
 a ShardedModule that is garbage in a reference cycle is alive until the collector runs, which differs between
@@ -39,10 +40,11 @@ ranks, so :func:`settle` runs a collection before any source is looked up again.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,7 +53,7 @@ from torch.distributed.tensor import DTensor
 from .errors import ShardingError, name_few
 from .placements import Pl, R
 
-__all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "SHARED"]
+__all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "shard_tracing", "is_stale_check", "SHARED"]
 
 # what an error message that suggests sharding the model again adds
 SHARED = ("a second ShardedModule of the same model shares its parameters and buffers with the first, so both "
@@ -183,8 +185,8 @@ def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model:
     """Requires: ``sm`` is the ShardedModule ``shard()`` built from ``model``, ``sources`` maps each of its
     parameter/buffer FQNs (one per tensor) to the model's tensor and the layout it has in ``sm``; ``blank`` are
     the FQNs whose local tensors were made unfilled. Ensures: :func:`shared_local` finds ``sm``'s local tensors
-    while ``sm`` lives; meanwhile a source parameter that gets a gradient raises, and so does the
-    ``state_dict()`` of a module of ``model`` that owns a stale source (module doc)."""
+    while ``sm`` lives; meanwhile a source parameter that gets a gradient raises, and so do the forward and
+    ``state_dict()`` of ``model`` and of its modules that own a stale source (module doc)."""
     blank = set(blank)
     name = type(model).__name__
     for fqn, (source, layout) in sources.items():
@@ -205,10 +207,28 @@ def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model:
     for m in model.modules():  # the model, and its modules that a parent may still reach (a shared submodule)
         if m not in _WATCHED and (m is model or any(id(t) in ids for t in (*m._parameters.values(),
                                                                            *m._buffers.values()))):
-            _WATCHED[m] = m.register_state_dict_pre_hook(_refuse_stale_state_dict)
+            _WATCHED[m] = (m.register_state_dict_pre_hook(_refuse_stale_state_dict),
+                           m.register_forward_pre_hook(_refuse_stale_forward))
 
 
-_WATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> its hook
+_WATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> its hooks
+_QUIET = [0]  # > 0 while fxshard itself traces a model (sharding it again reads no stale value)
+
+
+@contextlib.contextmanager
+def shard_tracing() -> Iterator[None]:
+    """While active, the hooks :func:`remember` puts on a sharded model's modules do nothing: ``shard()``
+    traces the model (again) then, which runs its forward."""
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
+
+
+def is_stale_check(hook: Any) -> bool:
+    """Whether ``hook`` is the forward pre-hook :func:`remember` registers (not the user's)."""
+    return hook is _refuse_stale_forward
 
 
 def _stale(entry: _Entry, source: torch.Tensor) -> bool:
@@ -228,25 +248,51 @@ def _stale(entry: _Entry, source: torch.Tensor) -> bool:
     return t._version != version
 
 
-def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-    """The state_dict pre-hook of a module of a sharded model that owns sources: raises a ShardingError if one of
-    them is stale while a ShardedModule holding it lives (``torch.save(model.state_dict())`` after training the
-    ShardedModule would save the values from before)."""
-    stale = []
+def _refuse_stale(module: torch.nn.Module, prefix: str, what: str, fix: str, unwatch: bool = False) -> None:
+    """Raise a ShardingError if a tensor of ``module`` (``prefix`` before its names) is a stale source while a
+    ShardedModule holding it lives: ``module`` would ``what`` (``fix``: how to get the current values). With
+    ``unwatch``, a module none of whose tensors a live ShardedModule holds loses the hooks (the last holder
+    died; torch iterates over the state_dict hooks themselves, so only the forward hook removes them)."""
+    if _QUIET[0]:
+        return
+    stale, held = [], False
     for attr, t in (*module.named_parameters(), *module.named_buffers()):
         entry = _entry(t)
+        held = held or entry is not None
         if entry is not None and _stale(entry, t):
             stale.append((prefix + attr, entry))
+    if unwatch and not held:
+        _unwatch(module)
     if stale:
         sm, fqn = next((ref(), fqn) for ref, fqn in stale[0][1].holders if ref() is not None)
-        names = name_few([n for n, _ in stale], 3)
         raise ShardingError(
-            f"{type(module).__name__}.state_dict() would return stale values for {names}: fxshard.shard() made "
-            f"them the sources of {sm._where}'s local tensors (e.g. {fqn!r}), which it has changed since (trained, "
-            f"loaded or initialized), while the model's own tensors still hold the values from before shard(). "
-            f"Take the ShardedModule's values: sm.full_state_dict() (full tensors under these keys), "
-            f"sm.state_dict() (DTensors) or dcp.save(sm.sharded_state_dict(), ...); or copy them back first "
-            f"(model.load_state_dict(sm.full_state_dict()))")
+            f"{type(module).__name__}.{what} stale values of {name_few([n for n, _ in stale], 3)}: fxshard.shard() "
+            f"made them the sources of {sm._where}'s local tensors (e.g. {fqn!r}), which it has changed since "
+            f"(trained, loaded or initialized), while the model's own tensors still hold the values from before "
+            f"shard(). {fix}, or copy the values back first (model.load_state_dict(sm.full_state_dict()))")
+
+
+def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
+    """The state_dict pre-hook of a sharded model and of its modules that own sources (module doc)."""
+    _refuse_stale(module, prefix, "state_dict() would return",
+                  "Take the ShardedModule's values: sm.full_state_dict() (full tensors under these keys), "
+                  "sm.state_dict() (DTensors) or dcp.save(sm.sharded_state_dict(), ...)")
+
+
+def _refuse_stale_forward(module: torch.nn.Module, args: Any) -> None:
+    """The forward pre-hook of a sharded model and of its modules that own sources (module doc)."""
+    _refuse_stale(module, "", "forward would compute with",
+                  "Call the ShardedModule instead (it holds the current values)", unwatch=True)
+
+
+def _unwatch(module: torch.nn.Module) -> None:
+    """Remove :func:`remember`'s hooks from ``module`` (also from a copy of a watched module, which carries
+    them: ``copy.deepcopy`` copies a module's hooks)."""
+    for hooks, ours in ((module._state_dict_pre_hooks, _refuse_stale_state_dict),
+                        (module._forward_pre_hooks, _refuse_stale_forward)):
+        for key in [k for k, h in hooks.items() if h is ours]:
+            del hooks[key]
+    _WATCHED.pop(module, None)
 
 
 def _forget(key: int) -> None:

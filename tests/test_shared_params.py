@@ -214,9 +214,10 @@ def _layouts(mesh) -> dict:
 
 
 def _stale_state_dict(mesh) -> dict:
-    """model.state_dict() of a sharded model: as before until the ShardedModule changes its tensors, then a
-    ShardingError (it would return the values from before: torch.save of it saved an untrained model), also
-    through a parent; right again once the values are copied back, stale again after the next step."""
+    """model.state_dict() and model(...) of a sharded model: as before until the ShardedModule changes its
+    tensors, then a ShardingError (they would use the values from before: torch.save of the state dict saved an
+    untrained model), also through a parent or a submodule; right again once the values are copied back, stale
+    again after the next step; a copy of the model is its own."""
     torch.manual_seed(0)
     model = _Net()
     x = torch.randn(8, 8)
@@ -228,6 +229,10 @@ def _stale_state_dict(mesh) -> dict:
     opt.step()
     out["after_step"] = _state_dict_error(model)
     out["parent"] = _state_dict_error(nn.ModuleDict({"inner": model}))
+    out["forward"] = _error(lambda: model(x, 1.0))
+    out["submodule_forward"] = _error(lambda: model.net1(x))  # a parent sharing it would call it
+    copied = copy.deepcopy(model)  # carries the hooks, but its tensors are its own: current by definition
+    out["copy"] = (_error(lambda: copied(x, 1.0)), _state_dict_error(copied), len(copied._forward_pre_hooks))
     again = fxshard.shard(model, mesh, MLP_PLAN, example_inputs=(x, 1.0))  # sharding again reads no stale value
     out["shard_again"] = again.net1.weight is sm.net1.weight
     del again
@@ -242,12 +247,16 @@ def _stale_state_dict(mesh) -> dict:
     return out
 
 
-def _state_dict_error(m: nn.Module) -> str | None:
+def _error(fn) -> str | None:
     try:
-        m.state_dict()
+        fn()
         return None
     except ShardingError as e:
         return str(e)
+
+
+def _state_dict_error(m: nn.Module) -> str | None:
+    return _error(m.state_dict)
 
 
 def _cases(rank: int, world: int) -> dict:
@@ -322,3 +331,7 @@ def test_the_state_dict_of_a_stale_sharded_model_raises(cases):
             assert r[key] is not None and "_Net.state_dict() would return stale values" in (r[key] or ""), (key, r)
             assert "net1.weight" in r[key] and "sm.full_state_dict()" in r[key], (key, r)
         assert "norm.running_mean" in r["after_step"] or " more" in r["after_step"], r
+        assert "_Net.forward would compute with stale values" in (r["forward"] or ""), r
+        assert "Linear.forward would compute with stale values of weight" in (r["submodule_forward"] or ""), r
+        assert "Call the ShardedModule instead" in r["forward"], r
+        assert r["copy"] == (None, None, 0), r  # the copy's hooks removed themselves at its first call
