@@ -282,7 +282,8 @@ def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bo
 def _refuse_stale_forward(module: torch.nn.Module, args: Any) -> None:
     """The forward pre-hook of a sharded model and of its modules that own sources (module doc)."""
     _refuse_stale(module, "", "forward would compute with",
-                  "Call the ShardedModule instead (it holds the current values)", unwatch=True)
+                  "Call the ShardedModule instead (it holds the current values; for an unsharded reference with the "
+                  "values from before, use a copy.deepcopy of the model made before shard())", unwatch=True)
 
 
 def _unwatch(module: torch.nn.Module) -> None:
