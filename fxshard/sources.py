@@ -208,7 +208,8 @@ def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model:
         if m not in _WATCHED and (m is model or any(id(t) in ids for t in (*m._parameters.values(),
                                                                            *m._buffers.values()))):
             _WATCHED[m] = (m.register_state_dict_pre_hook(_refuse_stale_state_dict),
-                           m.register_forward_pre_hook(_refuse_stale_forward))
+                           m.register_forward_pre_hook(_refuse_stale_forward),
+                           m.register_load_state_dict_post_hook(_current_after_load))
 
 
 _WATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> its hooks
@@ -286,11 +287,22 @@ def _refuse_stale_forward(module: torch.nn.Module, args: Any) -> None:
                   "values from before, use a copy.deepcopy of the model made before shard())", unwatch=True)
 
 
+def _current_after_load(module: torch.nn.Module, incompatible_keys: Any) -> None:
+    """The load_state_dict post-hook of a sharded model and of its modules that own sources: values loaded into
+    them (``model.load_state_dict(sm.full_state_dict())``) are current until the ShardedModule writes its local
+    tensors again."""
+    for t in (*module.parameters(), *module.buffers()):
+        entry = _entry(t)
+        if entry is not None and entry.made is not None and (local := entry.made[0]()) is not None:
+            entry.made = (entry.made[0], local._version, t._version)
+
+
 def _unwatch(module: torch.nn.Module) -> None:
     """Remove :func:`remember`'s hooks from ``module`` (also from a copy of a watched module, which carries
     them: ``copy.deepcopy`` copies a module's hooks)."""
     for hooks, ours in ((module._state_dict_pre_hooks, _refuse_stale_state_dict),
-                        (module._forward_pre_hooks, _refuse_stale_forward)):
+                        (module._forward_pre_hooks, _refuse_stale_forward),
+                        (module._load_state_dict_post_hooks, _current_after_load)):
         for key in [k for k, h in hooks.items() if h is ours]:
             del hooks[key]
     _WATCHED.pop(module, None)

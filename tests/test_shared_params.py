@@ -237,10 +237,11 @@ def _stale_state_dict(mesh) -> dict:
     out["shard_again"] = again.net1.weight is sm.net1.weight
     del again
     model.load_state_dict(sm.full_state_dict())
-    out["copied_back"] = all(torch.equal(model.state_dict()[k], v) for k, v in sm.full_state_dict().items())
-    sm(x, 1.0).square().sum().backward()
+    sm(x, 1.0).square().sum().backward()  # nothing reads the model between the copy and the step
     opt.step()
     out["stale_again"] = _state_dict_error(model)
+    model.load_state_dict(sm.full_state_dict())
+    out["copied_back"] = all(torch.equal(model.state_dict()[k], v) for k, v in sm.full_state_dict().items())
     del sm, opt
     gc.collect()
     out["released"] = _state_dict_error(model)  # no ShardedModule holds them: the model is the only copy
