@@ -29,9 +29,11 @@ The sharded model's forward and ``state_dict()`` (or those of a module of it a p
 sources' values; once a ShardedModule holding them changed its local tensors (trained, loaded, initialized),
 they are stale, and a forward / state_dict pre-hook raises a ShardingError (``model(x)`` after training the
 ShardedModule computed with the values from before and ``torch.save(model.state_dict())`` saved them,
-silently), until the values are copied back (``model.load_state_dict(sm.full_state_dict())``). The hooks do
-nothing while ``shard()`` traces the model (:func:`shard_tracing`) and remove themselves from a module none of
-whose tensors a live ShardedModule holds.
+silently), until the values are copied back (``model.load_state_dict(sm.full_state_dict())``: a load
+post-hook marks what it wrote current). The hooks do nothing while ``shard()`` traces the model
+(:func:`shard_tracing`) and go when no live ShardedModule holds a tensor of the module any more (a deep copy's
+forward hook removes itself at its first call). While they are on, ``torch.jit.script`` of the model fails
+(TorchScript compiles forward pre-hooks): script a copy made before ``shard()``.
 
 Liveness must be the same on every rank (whether a source is shared decides whether ``shard()`` broadcasts it):
 a ShardedModule that is garbage in a reference cycle is alive until the collector runs, which differs between
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, Optional
@@ -126,11 +129,21 @@ def _entry(source: torch.Tensor) -> Optional[_Entry]:
 
 
 def _drop(key: int, entry: _Entry) -> None:
-    """Forget ``entry`` (keyed ``key``) and remove its source's hook."""
+    """Forget ``entry`` (keyed ``key``) and remove its source's hook, and the module hooks of modules that now
+    hold no source a live ShardedModule holds."""
     if entry.hook is not None:
         entry.hook.remove()
     if _ENTRIES.get(key) is entry:
         del _ENTRIES[key]
+    for ref in _WATCHERS.pop(key, ()):
+        m = ref()
+        watch = _WATCHED.get(m) if m is not None else None
+        if watch is not None:
+            watch.keys.discard(key)
+            if not watch.keys:
+                for handle in watch.handles:
+                    handle.remove()
+                del _WATCHED[m]
 
 
 def shared_local(source: torch.Tensor, layout: Layout, name: str, where: str) -> Optional[torch.Tensor]:
@@ -205,26 +218,41 @@ def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model:
         entry.holders.append((weakref.ref(sm, lambda _, key=key: _forget(key)), fqn))
     ids = {id(source) for source, _ in sources.values()}
     for m in model.modules():  # the model, and its modules that a parent may still reach (a shared submodule)
-        if m not in _WATCHED and (m is model or any(id(t) in ids for t in (*m._parameters.values(),
-                                                                           *m._buffers.values()))):
-            _WATCHED[m] = (m.register_state_dict_pre_hook(_refuse_stale_state_dict),
-                           m.register_forward_pre_hook(_refuse_stale_forward),
-                           m.register_load_state_dict_post_hook(_current_after_load))
+        if m is not model and not any(id(t) in ids for t in (*m._parameters.values(), *m._buffers.values())):
+            continue
+        keys = {id(t) for t in (*m.parameters(), *m.buffers())} & ids
+        if m not in _WATCHED:
+            _WATCHED[m] = _Watch((m.register_state_dict_pre_hook(_refuse_stale_state_dict),
+                                  m.register_forward_pre_hook(_refuse_stale_forward),
+                                  m.register_load_state_dict_post_hook(_current_after_load)), set())
+        _WATCHED[m].keys.update(keys)
+        for key in keys:
+            _WATCHERS.setdefault(key, []).append(weakref.ref(m))
 
 
-_WATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> its hooks
-_QUIET = [0]  # > 0 while fxshard itself traces a model (sharding it again reads no stale value)
+@dataclass
+class _Watch:
+    """The hooks :func:`remember` put on a module, and the sources (``id``) of its tensors a live ShardedModule
+    holds: the hooks go when the last of those entries is dropped."""
+
+    handles: tuple
+    keys: set[int]
+
+
+_WATCHED: "weakref.WeakKeyDictionary[torch.nn.Module, _Watch]" = weakref.WeakKeyDictionary()
+_WATCHERS: dict[int, list["weakref.ref[torch.nn.Module]"]] = {}  # id(source) -> the watched modules holding it
+_QUIET = threading.local()  # .depth > 0 while this thread's shard() traces a model (no stale value is read)
 
 
 @contextlib.contextmanager
 def shard_tracing() -> Iterator[None]:
-    """While active, the hooks :func:`remember` puts on a sharded model's modules do nothing: ``shard()``
-    traces the model (again) then, which runs its forward."""
-    _QUIET[0] += 1
+    """While active (in this thread), the hooks :func:`remember` puts on a sharded model's modules do nothing:
+    ``shard()`` traces the model (again) then, which runs its forward."""
+    _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
     try:
         yield
     finally:
-        _QUIET[0] -= 1
+        _QUIET.depth -= 1
 
 
 def is_stale_check(hook: Any) -> bool:
@@ -249,21 +277,16 @@ def _stale(entry: _Entry, source: torch.Tensor) -> bool:
     return t._version != version
 
 
-def _refuse_stale(module: torch.nn.Module, prefix: str, what: str, fix: str, unwatch: bool = False) -> None:
+def _refuse_stale(module: torch.nn.Module, prefix: str, what: str, fix: str) -> None:
     """Raise a ShardingError if a tensor of ``module`` (``prefix`` before its names) is a stale source while a
-    ShardedModule holding it lives: ``module`` would ``what`` (``fix``: how to get the current values). With
-    ``unwatch``, a module none of whose tensors a live ShardedModule holds loses the hooks (the last holder
-    died; torch iterates over the state_dict hooks themselves, so only the forward hook removes them)."""
-    if _QUIET[0]:
+    ShardedModule holding it lives: ``module`` would ``what`` (``fix``: how to get the current values)."""
+    if getattr(_QUIET, "depth", 0) or module not in _WATCHED:  # a copy.deepcopy carries the hooks: its own
         return
-    stale, held = [], False
+    stale = []
     for attr, t in (*module.named_parameters(), *module.named_buffers()):
         entry = _entry(t)
-        held = held or entry is not None
         if entry is not None and _stale(entry, t):
             stale.append((prefix + attr, entry))
-    if unwatch and not held:
-        _unwatch(module)
     if stale:
         sm, fqn = next((ref(), fqn) for ref, fqn in stale[0][1].holders if ref() is not None)
         raise ShardingError(
@@ -282,30 +305,26 @@ def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bo
 
 def _refuse_stale_forward(module: torch.nn.Module, args: Any) -> None:
     """The forward pre-hook of a sharded model and of its modules that own sources (module doc)."""
+    if module not in _WATCHED:  # a copy.deepcopy of a watched module: its tensors are its own
+        for key in [k for k, h in module._forward_pre_hooks.items() if h is _refuse_stale_forward]:
+            del module._forward_pre_hooks[key]
+        return
     _refuse_stale(module, "", "forward would compute with",
                   "Call the ShardedModule instead (it holds the current values; for an unsharded reference with the "
-                  "values from before, use a copy.deepcopy of the model made before shard())", unwatch=True)
+                  "values from before, use a copy.deepcopy of the model made before shard())")
 
 
 def _current_after_load(module: torch.nn.Module, incompatible_keys: Any) -> None:
-    """The load_state_dict post-hook of a sharded model and of its modules that own sources: values loaded into
-    them (``model.load_state_dict(sm.full_state_dict())``) are current until the ShardedModule writes its local
-    tensors again."""
+    """The load_state_dict post-hook of a sharded model and of its modules that own sources: values the load
+    wrote into them (``model.load_state_dict(sm.full_state_dict())``) are current until the ShardedModule
+    writes its local tensors again; the others keep their state."""
+    if module not in _WATCHED:
+        return
     for t in (*module.parameters(), *module.buffers()):
         entry = _entry(t)
-        if entry is not None and entry.made is not None and (local := entry.made[0]()) is not None:
+        if entry is not None and entry.made is not None and (local := entry.made[0]()) is not None \
+                and t._version != entry.made[2]:
             entry.made = (entry.made[0], local._version, t._version)
-
-
-def _unwatch(module: torch.nn.Module) -> None:
-    """Remove :func:`remember`'s hooks from ``module`` (also from a copy of a watched module, which carries
-    them: ``copy.deepcopy`` copies a module's hooks)."""
-    for hooks, ours in ((module._state_dict_pre_hooks, _refuse_stale_state_dict),
-                        (module._forward_pre_hooks, _refuse_stale_forward),
-                        (module._load_state_dict_post_hooks, _current_after_load)):
-        for key in [k for k, h in hooks.items() if h is ours]:
-            del hooks[key]
-    _WATCHED.pop(module, None)
 
 
 def _forget(key: int) -> None:

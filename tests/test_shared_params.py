@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import pickle
 import warnings
 
 import pytest
@@ -231,6 +232,11 @@ def _stale_state_dict(mesh) -> dict:
     out["parent"] = _state_dict_error(nn.ModuleDict({"inner": model}))
     out["forward"] = _error(lambda: model(x, 1.0))
     out["submodule_forward"] = _error(lambda: model.net1(x))  # a parent sharing it would call it
+    own = {n: p.detach().clone() for n, p in model.net1.named_parameters()}
+    torch.func.functional_call(model.net1, own, (x,))  # computes with the values it is given
+    out["after_functional_call"] = _state_dict_error(model)  # ... and leaves the checks on
+    model.load_state_dict({k: v for k, v in sm.full_state_dict().items() if k.startswith("net1.")}, strict=False)
+    out["partial_load"] = _state_dict_error(model)  # net1 is current now, the rest still stale
     copied = copy.deepcopy(model)  # carries the hooks, but its tensors are its own: current by definition
     out["copy"] = (_error(lambda: copied(x, 1.0)), _state_dict_error(copied), len(copied._forward_pre_hooks))
     again = fxshard.shard(model, mesh, MLP_PLAN, example_inputs=(x, 1.0))  # sharding again reads no stale value
@@ -245,6 +251,9 @@ def _stale_state_dict(mesh) -> dict:
     del sm, opt
     gc.collect()
     out["released"] = _state_dict_error(model)  # no ShardedModule holds them: the model is the only copy
+    out["hooks_left"] = sum(len(m._forward_pre_hooks) + len(m._state_dict_pre_hooks) + len(m._load_state_dict_post_hooks)
+                            for m in model.modules())
+    out["pickle_names_fxshard"] = b"fxshard" in pickle.dumps(model)
     return out
 
 
@@ -336,3 +345,6 @@ def test_the_state_dict_of_a_stale_sharded_model_raises(cases):
         assert "Linear.forward would compute with stale values of weight" in (r["submodule_forward"] or ""), r
         assert "Call the ShardedModule instead" in r["forward"], r
         assert r["copy"] == (None, None, 0), r  # the copy's hooks removed themselves at its first call
+        assert r["after_functional_call"] is not None and r["partial_load"] is not None, r
+        assert "net2.weight" in r["partial_load"] and "net1." not in r["partial_load"], r
+        assert r["hooks_left"] == 0 and not r["pickle_names_fxshard"], r  # gone with the last ShardedModule
