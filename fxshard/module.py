@@ -169,6 +169,22 @@ def _one_value(p: torch.Tensor) -> bool:
         return t.numel() == 0 or bool((t == t.reshape(-1)[0]).all())
 
 
+_SAMPLES = 16  # elements of a piece _written_state compares
+
+
+def _written_state(p: torch.Tensor) -> Optional[tuple[int, int, list]]:
+    """What tells that this rank's piece of ``p`` was written: the tensor's identity, its version counter and the
+    bits of a few elements spread over it (writes through ``p.data``, HF's ``module.weight.data.normal_()``, do
+    not move ``p``'s version counter); None for a tensor it cannot read (a DTensor, meta)."""
+    if isinstance(p, DTensor) or p.is_meta:
+        return None
+    flat = p.detach().reshape(-1)
+    n, k = flat.numel(), min(_SAMPLES, flat.numel())
+    sample = flat[torch.tensor([i * (n - 1) // max(k - 1, 1) for i in range(k)], dtype=torch.long, device=flat.device)]
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(sample.element_size())
+    return id(p), p._version, (sample.view(bits) if bits is not None else sample).tolist()
+
+
 def _root(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose storage ``t`` views (``t`` itself when it is not a view)."""
     return t if t._base is None else t._base
@@ -818,9 +834,9 @@ class ShardedModule(_StandIn):
         if unfilled:
             self._unfilled = {n: (id(self._lookup(n)), self._lookup(n)._version) for n in unfilled}
         # split parameters, checked at the first call if written in place other than by fxshard's fills
-        self._piece_watch: Optional[dict[str, tuple[int, int]]] = None
+        self._piece_watch: Optional[dict[str, Optional[tuple[int, int, list]]]] = None
         if communicates(self._mesh):
-            self._piece_watch = {n: (id(p), p._version) for n, p in self.named_parameters() if self._split_axes(n)}
+            self._piece_watch = {n: _written_state(p) for n, p in self.named_parameters() if self._split_axes(n)}
         self.register_state_dict_post_hook(_state_dict_as_dtensors)
         self.register_load_state_dict_pre_hook(_state_dict_from_dtensors)
         track_optimizers(self)
@@ -913,10 +929,12 @@ class ShardedModule(_StandIn):
         ``nn.init.*_(p)`` on the pieces with one seed everywhere. Once: a collective at the first call."""
         watch, self._piece_watch = self._piece_watch, None
         written = {}
-        for n, (ident, version) in watch.items():
+        for n, before in watch.items():  # the same names on every rank: what each wrote may differ
             t = self._lookup(n)
-            if id(t) == ident and t._version != version and not _one_value(t):
-                written[n] = t.to_local() if isinstance(t, DTensor) else t
+            now = _written_state(t)
+            if before is not None and now is not None and now[0] == before[0] and now != before \
+                    and not _one_value(t):
+                written[n] = t
         check_pieces_differ(
             written, {n: self._split_axes(n) for n in watch}, self._mesh,
             f"{self._where} was called after split parameters were written in place on every rank alike",
@@ -925,7 +943,8 @@ class ShardedModule(_StandIn):
             "numbers on every rank seeded alike, and takes fan-in from the piece's shape). Initialize with "
             "sm.init_parameters(fn) (fn(name, t) sees each tensor at its global shape), load full values with "
             "sm.load_full_state_dict(...), or initialize the model before shard(); pieces meant to be equal "
-            "(experts copied from one layer) can be written with sm.init_parameters(fn, exact=True)")
+            "(experts copied from one layer, kv heads repeated for the split) are written by "
+            "sm.load_full_state_dict(...) or sm.init_parameters(fn, exact=True)")
 
     def _split_axes(self, fqn: str) -> list[int]:
         """The mesh axes of several ranks that parameter or buffer ``fqn`` is split over."""
@@ -939,7 +958,8 @@ class ShardedModule(_StandIn):
                 self._unfilled.pop(n, None)
         if self._piece_watch is not None:
             for n in names:
-                self._piece_watch.pop(n, None)
+                if n in self._piece_watch:  # kept (every rank checks the same names), as written now
+                    self._piece_watch[n] = _written_state(self._lookup(n))
 
     def _call_error(self, progs: Programs, args: tuple, kwargs: dict) -> ShardingError:
         """Why ``(args, kwargs)`` does not have the structure the module was sharded for."""

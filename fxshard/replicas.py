@@ -134,8 +134,10 @@ def check_pieces_differ(written: Mapping[str, torch.Tensor], split: Mapping[str,
                 bad[n] = f"{n} (split over {axis!r})"
     bad = _everyones(bad, info, mesh)
     if bad:
-        raise ShardingError(f"{what}: {name_few([bad[n] for n in split if n in bad], 3)} hold the same piece on "
-                            f"every rank of the mesh axis they are split over; {why}")
+        names = [bad[n] for n in split if n in bad]
+        verb = "holds the same piece on every rank of the mesh axis it is" if len(names) == 1 else \
+            "hold the same piece on every rank of the mesh axis they are"
+        raise ShardingError(f"{what}: {name_few(names, 3)} {verb} split over; {why}")
 
 
 def _everyones(bad: dict[str, str], info: MeshInfo, mesh: DeviceMesh) -> dict[str, str]:

@@ -278,3 +278,29 @@ def test_multi_margin_loss_decomposition_is_eagers(shape, weighted, reduction):
     cot = torch.randn(want.shape, generator=g)
     (ga,), (gb,) = torch.autograd.grad(want, a, cot), torch.autograd.grad(got, b, cot)
     assert torch.allclose(ga, gb, atol=1e-6), (ga - gb).abs().max()
+
+
+def test_margin_losses_as_eager_binds_every_call_form_as_torch():
+    """The mode fxshard.jit traces under: keyword calls of the torch._C._nn builtins, weight, p, legacy
+    size_average, and what torch rejects (p=3, a 2-D weight) raises as in eager."""
+    from fxshard.passes.trace import margin_losses_as_eager
+
+    torch.manual_seed(0)
+    x, t, w = torch.randn(4, 6), torch.tensor([1, 0, 5, 2]), torch.rand(6)
+    labels = torch.full((4, 6), -1)
+    labels[:, 0], labels[1, 1] = t, 3
+    calls = {
+        "c_keywords": lambda: torch._C._nn.multilabel_margin_loss(input=x, target=labels, reduction=1),
+        "c_p2_weight": lambda: torch._C._nn.multi_margin_loss(x, t, 2, 0.5, w, 2),
+        "weight_sum": lambda: F.multi_margin_loss(x, t, weight=w, reduction="sum"),
+        "legacy": lambda: F.multilabel_margin_loss(x, labels, size_average=False),
+        "module": lambda: nn.MultiMarginLoss(p=2, margin=0.7)(x, t),
+    }
+    for name, call in calls.items():
+        with margin_losses_as_eager():
+            got = call()
+        assert torch.allclose(got, call(), atol=1e-6), name
+    for call, error in ((lambda: torch._C._nn.multi_margin_loss(x, t, 3, 1.0, None, 1), RuntimeError),
+                        (lambda: F.multi_margin_loss(x, t, weight=w[None]), ValueError)):
+        with margin_losses_as_eager(), pytest.raises(error):
+            call()

@@ -296,23 +296,28 @@ class margin_losses_as_eager(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        a: Optional[dict] = None
         if func in _MARGIN_FUNCTIONAL:
-            a = inspect.signature(func).bind(*args, **kwargs)
-            a.apply_defaults()
-            a = dict(a.arguments)
+            bound = inspect.signature(func).bind(*args, **kwargs)
+            bound.apply_defaults()
+            a = dict(bound.arguments)
             size_average, reduce, reduction = a.pop("size_average"), a.pop("reduce"), a.pop("reduction")
             a["reduction"] = (_Reduction.legacy_get_enum(size_average, reduce)
                               if size_average is not None or reduce is not None else _Reduction.get_enum(reduction))
-            if a.get("p", 1) in (1, 2):  # the replacements take the rest in the same order
-                return _MARGIN_FUNCTIONAL[func](*a.values())
-        elif func in _MARGIN_C:
-            return _MARGIN_C[func](*args, **kwargs)
+        elif func in _MARGIN_C:  # builtins, by their parameters' names; left to torch when some are defaulted
+            names = _MARGIN_C[func][1]  # (the bindings' defaults are not the schema's: reduction acts as none)
+            given = {**dict(zip(names, args)), **kwargs}
+            a = {n: given[n] for n in names} if set(given) == set(names) else None
+        # the replacements take the rest in the same order; what torch rejects runs as called (and raises)
+        if a is not None and a.get("p", 1) in (1, 2) and (a.get("weight") is None or a["weight"].dim() == 1):
+            return (_MARGIN_FUNCTIONAL.get(func) or _MARGIN_C[func][0])(*a.values())
         return func(*args, **kwargs)
 
 
 _MARGIN_FUNCTIONAL = {F.multilabel_margin_loss: _multilabel_margin_loss, F.multi_margin_loss: _multi_margin_loss}
-_MARGIN_C = {torch._C._nn.multilabel_margin_loss: _multilabel_margin_loss,
-             torch._C._nn.multi_margin_loss: _multi_margin_loss}
+_MARGIN_C = {torch._C._nn.multilabel_margin_loss: (_multilabel_margin_loss, ("input", "target", "reduction")),
+             torch._C._nn.multi_margin_loss: (_multi_margin_loss,
+                                              ("input", "target", "p", "margin", "weight", "reduction"))}
 
 
 def _replace_above_autograd(gm: fx.GraphModule) -> None:
