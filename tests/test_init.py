@@ -109,18 +109,10 @@ def _inits(rank: int, world: int) -> dict:
     except ShardingError as e:
         out["refused"] = str(e)
     sm.init_parameters(lambda n, t: None if n in ROPE else _init(n, t))
-    try:
-        sm(*batch)
-        out["unfilled"] = ""
-    except ShardingError as e:
-        out["unfilled"] = str(e)
+    out["unfilled"] = _call_error(sm, batch)
     sm, batch = _meta_llama(mesh)
     sm.init_parameters(lambda n, t: None if n in ROPE else _seeded_init(n, t), exact=True)
-    try:
-        sm(*batch)
-        out["exact_unfilled"] = ""
-    except ShardingError as e:
-        out["exact_unfilled"] = str(e)
+    out["exact_unfilled"] = _call_error(sm, batch)
     sm.init_parameters(_seeded_init, exact=True)
     ref = models.LlamaDecoder(**LLAMA)
     for name, t in ref.state_dict().items():
@@ -134,6 +126,15 @@ def _inits(rank: int, world: int) -> dict:
     return out
 
 
+def _call_error(sm, batch) -> str:
+    """The ShardingError ``sm(*batch)`` raises, or "" if it runs."""
+    try:
+        sm(*batch)
+        return ""
+    except ShardingError as e:
+        return str(e)
+
+
 def _pieces_written(rank: int, mesh) -> dict:
     """nn.init on sm's pieces (one seed on every rank) raises at the first call; pieces each rank writes with
     its own values (the full values scaled) do not, and compute as the unsharded model."""
@@ -144,11 +145,7 @@ def _pieces_written(rank: int, mesh) -> dict:
     with torch.no_grad():
         for p in sm.parameters():
             nn.init.normal_(p, std=0.02) if p.dim() >= 2 else nn.init.ones_(p)
-    try:
-        sm(*batch)
-        out["same_seed"] = ""
-    except ShardingError as e:
-        out["same_seed"] = str(e)
+    out["same_seed"] = _call_error(sm, batch)
     # HF's _init_weights style writes through .data (p's version counter does not move); rank 0 alone loads
     # one weight first, so the ranks' fills differ: both still check the same names and raise alike
     sm, batch = _meta_llama(mesh)
@@ -159,11 +156,7 @@ def _pieces_written(rank: int, mesh) -> dict:
     torch.manual_seed(5)
     for p in sm.parameters():
         p.data.normal_(0, 0.02) if p.dim() >= 2 else p.data.fill_(1.0)
-    try:
-        sm(*batch)
-        out["data_writes"] = ""
-    except ShardingError as e:
-        out["data_writes"] = str(e)
+    out["data_writes"] = _call_error(sm, batch)
     torch.manual_seed(6)
     ref = models.LlamaDecoder(**LLAMA)
     scaled = {n: t * 1.5 for n, t in ref.state_dict().items()}
