@@ -34,7 +34,7 @@ from .checkpoint import (
     Piece, assemble, global_view, held_pieces, local_piece, open_checkpoint, storage, take,
 )
 from .placements import Pl, R, S
-from .replicas import check_pieces_differ, check_replicas, communicates, from_source, holds_sentinel
+from .replicas import as_words, check_pieces_differ, check_replicas, communicates, from_source, holds_sentinel
 from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
 
@@ -181,8 +181,7 @@ def _written_state(p: torch.Tensor) -> Optional[tuple[int, int, list]]:
     flat = p.detach().reshape(-1)
     n, k = flat.numel(), min(_SAMPLES, flat.numel())
     sample = flat[torch.tensor([i * (n - 1) // max(k - 1, 1) for i in range(k)], dtype=torch.long, device=flat.device)]
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(sample.element_size())
-    return id(p), p._version, (sample.view(bits) if bits is not None else sample).tolist()
+    return id(p), p._version, as_words(sample).tolist()
 
 
 def _root(t: torch.Tensor) -> torch.Tensor:

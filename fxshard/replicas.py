@@ -23,7 +23,7 @@ from .errors import ShardingError, name_few
 from .mesh import MeshInfo
 from .placements import Pl, Replicated
 
-__all__ = ["communicates", "from_source", "check_replicas", "check_pieces_differ", "checksum", "sentinel",
+__all__ = ["communicates", "from_source", "check_replicas", "check_pieces_differ", "checksum", "as_words", "sentinel",
            "holds_sentinel"]
 
 _CHUNK = 1 << 20  # elements per checksum step: bounds the checksum's transient memory
@@ -54,13 +54,18 @@ def from_source(full: torch.Tensor, src: int, mesh: DeviceMesh, device: torch.de
     return buf
 
 
-def checksum(t: torch.Tensor) -> int:
-    """A position-sensitive checksum of ``t``'s bits (equal tensors, equal sums; any flipped bit changes it)."""
-    flat = t.detach().contiguous().reshape(-1)
+def as_words(flat: torch.Tensor) -> torch.Tensor:
+    """The bits of the 1-D tensor ``flat`` as integers: one word per element of 1, 2, 4 or 8 bytes (bool as
+    uint8), bytes otherwise (e.g. complex128). Equal tensors, equal words; NaNs compare equal bit for bit."""
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(flat.element_size())
-    words = flat.view(bits) if bits is not None else flat.view(torch.uint8)
+    return flat.view(bits) if bits is not None else flat.view(torch.uint8)
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A position-sensitive checksum of ``t``'s bits (equal tensors, equal sums; any flipped bit changes it)."""
+    words = as_words(t.detach().contiguous().reshape(-1))
     total = 0
     for start in range(0, words.numel(), _CHUNK):
         w = words[start:start + _CHUNK].long()
