@@ -87,6 +87,8 @@ def _render(value: Any, depth: int, seen: set[int]) -> str:
     seen = seen | {id(value)}
     if isinstance(value, torch.Tensor):
         return f"tensor({list(value.shape)}, {value.dtype}, {value.device.type})"
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or type(value).__module__.startswith("sympy"):
+        return str(value)
     if isinstance(value, nn.Module):
         return f"<module {_qualname(value)}>"
     if isinstance(value, DeviceMesh):

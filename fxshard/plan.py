@@ -26,7 +26,7 @@ from .spec import split_ok
 from .symbolic import is_concrete
 from .mesh import MeshInfo
 from .placements import P, Part, Pl, R, Replicated, S, from_torch
-from .styles import STYLE_TYPES, AxisSpec, Boundary, boundary_of
+from .styles import AxisSpec, Boundary, boundary_of, reads_as_torch_style
 
 __all__ = ["resolve_plan", "resolve_boundaries", "to_placements", "is_spec_leaf", "style_axis", "constraint_placements", "check_divisible"]
 
@@ -162,9 +162,14 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
         if isinstance(spec, ParallelStyle):
             axis = style_axis(spec, mesh, key)
             for fqn in _style_hits(key, spec, modules, model):
-                if not isinstance(spec, STYLE_TYPES):  # another library's style: what it does to a meta copy
+                if not reads_as_torch_style(spec):  # another library's style: what it does to a meta copy
                     for pname, placement in read_style(spec, modules[fqn], mesh, axis, key, fqn).params.items():
                         name = f"{fqn}.{pname}" if fqn else pname
+                        if name not in tensors:
+                            raise ShardingError(
+                                f"plan entry {key!r}: {type(spec).__qualname__} gives {fqn!r} a tensor {pname!r} "
+                                f"the module does not have; fxshard places the model's own tensors only: create "
+                                f"it in the model, or write this entry with torch's styles or P(...) specs")
                         pls = [R] * len(mesh.sizes)
                         pls[axis] = from_torch(placement, tensors[name].dim())
                         assign(name, tuple(pls), key)
@@ -214,7 +219,7 @@ def resolve_boundaries(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh
         if isinstance(spec, ParallelStyle):
             axis = style_axis(spec, mesh, key)
             for fqn in _style_hits(key, spec, modules, model):
-                if not isinstance(spec, STYLE_TYPES):
+                if not reads_as_torch_style(spec):
                     out.setdefault(fqn, []).append(read_style(spec, modules[fqn], mesh, axis, key, fqn).boundary)
                     continue
                 out.setdefault(fqn, []).append(boundary_of(spec, modules[fqn], axis, key))

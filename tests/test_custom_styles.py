@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 import fxshard
 from fxshard.consistency import fingerprint
 from fxshard.models import LlamaDecoder, make_tokens
+from tests.models import ToyModel
 from tests.dist_utils import run_ranks
 
 TOL = 1e-5
@@ -65,6 +66,14 @@ class PartialOutput(ParallelStyle):
         return distribute_module(module, device_mesh, None, None, out)
 
 
+class ReplicatedColwise(ColwiseParallel):
+    """A subclass of torch's style whose ``_apply`` does something else (replicates): read by applying it, not
+    from the ColwiseParallel arguments it inherits."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return NoParallel(use_local_output=True)._apply(module, device_mesh)
+
+
 def llama_plan_with(norm_style) -> dict:
     """torchtitan's Llama 3 TP plan without sequence parallel: norms kept replicated by ``norm_style()``."""
     plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
@@ -83,8 +92,8 @@ def llama_plan_with(norm_style) -> dict:
 
 def _train_no_parallel(rank: int, world: int) -> dict:
     """Two NoParallel variants in torchtitan's plan: 3 AdamW steps vs the unsharded model (losses, every full
-    gradient, parameters); the norms' weights stay whole, wq is split; a PartialOutput entry raises; the plan's
-    fingerprint as this rank sees it."""
+    gradient, parameters); the norms' weights stay whole, wq is split; a ColwiseParallel subclass that replicates;
+    a PartialOutput entry raises; the plan's fingerprint as this rank sees it."""
     mesh = fxshard.init_mesh(tp=world)
     batches = [(make_tokens(2, 16, 64, seed=s), make_tokens(2, 16, 64, seed=s + 9)) for s in range(2)]
     out: dict = {}
@@ -113,6 +122,13 @@ def _train_no_parallel(rank: int, world: int) -> dict:
                      "param": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
                      "norm": tuple(sm.get_parameter("layers.0.attention_norm.weight").shape),
                      "wq": tuple(sm.get_parameter("layers.0.attention.wq.weight").shape)}
+    toy, x = ToyModel(16, 32), torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
+    sm = fxshard.shard(copy.deepcopy(toy), mesh, {"net1": ReplicatedColwise(), "net2": RowwiseParallel()},
+                       example_inputs=(x,))
+    sm(x).square().sum().backward(), toy(x).square().sum().backward()
+    out["subclass"] = {"net1": tuple(sm.net1.weight.shape), "fwd": (sm(x) - toy(x)).abs().max().item(),
+                       "grad": max((sm._dtensor(n, p.grad).full_tensor() - toy.get_parameter(n).grad).abs().max().item()
+                                   for n, p in sm.named_parameters())}
     model = LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
     try:
         fxshard.shard(model, mesh, llama_plan_with(PartialOutput), example_inputs=batches[0])
@@ -136,6 +152,8 @@ def test_torchtitan_no_parallel_style_trains_like_the_unsharded_model():
             # parameters after 3 AdamW steps: its normalized update amplifies float noise in the tiniest gradients
             assert got["loss"] <= TOL and got["grad"] <= TOL and got["param"] <= 1e-4, (name, got)
             assert got["norm"] == (32,) and got["wq"] == (16, 32), (name, got)
+        sub = r["subclass"]
+        assert sub["net1"] == (32, 16) and sub["fwd"] <= TOL and sub["grad"] <= TOL, sub  # net1 whole, not split
         msg = r["unreadable"]
         assert "PartialOutput" in msg and "plan entry 'norm'" in msg and "ColwiseParallel" in msg, msg
 
@@ -161,3 +179,19 @@ def test_fingerprint_names_what_differs_in_an_object_without_repr():
     a, b = fingerprint({"n": NoParallel()}, nn.Linear(2, 2), ()), fingerprint(
         {"n": NoParallel(use_local_output=True)}, nn.Linear(2, 2), ())
     assert a["plan entry 'n'"] != b["plan entry 'n'"] and "use_local_output=True" in b["plan entry 'n'"]
+
+
+def test_layouts_read_from_a_styles_hooks(mesh2):
+    """The layouts a style's hooks produce, on the fake process group: a Shard counted from the end stays so."""
+    from fxshard.mesh import MeshInfo
+    from fxshard.plan import resolve_boundaries, resolve_plan
+    from torch.distributed.tensor import Shard
+
+    model, info = ToyModel(16, 32), MeshInfo.of(mesh2)
+    plan = {"net1": NoParallel(input_layout=Shard(1), output_layout=Shard(-1), use_local_output=True),
+            "net2": NoParallel(output_layout=Shard(0))}
+    bounds = resolve_boundaries(plan, model, info)
+    assert [b.placement for b in bounds["net1"][0].inputs] == [Replicate()]  # what the module computes with
+    assert [b.placement for b in bounds["net1"][0].outputs] == [Shard(-1)]
+    assert [b.placement for b in bounds["net2"][0].outputs] == [Shard(0)]
+    assert set(resolve_plan(plan, model, info)) == {"net1.weight", "net1.bias", "net2.weight", "net2.bias"}
