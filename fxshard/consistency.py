@@ -8,11 +8,14 @@ shard and all of them raise the same readable error on any difference.
 from __future__ import annotations
 
 import hashlib
+import re
+import types
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm_errors import guard_collective
@@ -22,7 +25,7 @@ from .ir import is_random
 if TYPE_CHECKING:
     from .mesh import MeshInfo
 
-__all__ = ["fingerprint", "check_same_on_all_ranks", "check_generators_agree", "agree", "on_lead"]
+__all__ = ["fingerprint", "stable_repr", "check_same_on_all_ranks", "check_generators_agree", "agree", "on_lead"]
 
 
 def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inputs: tuple) -> dict[str, str]:
@@ -30,16 +33,84 @@ def fingerprint(plan: Optional[Mapping[str, Any]], model: nn.Module, example_inp
     mesh and specs)."""
     fp: dict[str, str] = {}
     if isinstance(plan, Mapping):
-        fp["plan entries"] = repr(list(plan.keys()))
+        fp["plan entries"] = stable_repr(list(plan.keys()))
         for key, spec in plan.items():
-            fp[f"plan entry {key!r}"] = repr(spec)
+            fp[f"plan entry {key!r}"] = stable_repr(spec)
     else:
-        fp["plan"] = repr(plan)  # not a dict: resolve_plan explains the error on every rank
+        fp["plan"] = stable_repr(plan)  # not a dict: resolve_plan explains the error on every rank
     fp["model"] = type(model).__name__ + repr([(n, tuple(p.shape)) for n, p in model.named_parameters()])
     fp["modules in eval mode"] = repr([n or "<root>" for n, m in model.named_modules() if not m.training])
     fp["example input shapes"] = repr([tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                                       for x in example_inputs])
     return fp
+
+
+_ADDRESS = re.compile(r" (?:object )?at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
+_MAX_DEPTH = 6
+
+
+def stable_repr(value: Any) -> str:
+    """A description of ``value`` that is the same in every process for equal values: no memory addresses.
+
+    Requires nothing of ``value``. Ensures: objects carrying state (``__dict__`` or ``__slots__``, e.g. a
+    ParallelStyle of any class, with or without a ``__repr__``) are rendered as their class's qualified name
+    and their attributes, recursively (nested ``_MAX_DEPTH`` deep, cycles cut); tensors as shape, dtype and
+    device type; device meshes as their axes and sizes; functions by qualified name; anything else by its
+    ``repr`` with addresses (``at 0x7f...``) removed.
+    """
+    return _render(value, 0, set())
+
+
+def _qualname(obj: Any) -> str:
+    t = obj if isinstance(obj, type) else type(obj)
+    return t.__qualname__
+
+
+def _state(value: Any) -> Optional[dict[str, Any]]:
+    """``value``'s attributes (``__dict__`` and ``__slots__``), or None for an object without any."""
+    state = dict(getattr(value, "__dict__", None) or {})
+    for cls in type(value).__mro__:
+        for slot in (cls.__dict__.get("__slots__", ()) if isinstance(cls.__dict__.get("__slots__", ()), (tuple, list))
+                     else (cls.__dict__["__slots__"],)):
+            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                state[slot] = getattr(value, slot)
+    return state or None
+
+
+def _render(value: Any, depth: int, seen: set[int]) -> str:
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if depth > _MAX_DEPTH:
+        return f"<{_qualname(value)}>"
+    if id(value) in seen:
+        return f"<cycle: {_qualname(value)}>"
+    seen = seen | {id(value)}
+    if isinstance(value, torch.Tensor):
+        return f"tensor({list(value.shape)}, {value.dtype}, {value.device.type})"
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) or type(value).__module__.startswith("sympy"):
+        return str(value)
+    if isinstance(value, nn.Module):
+        return f"<module {_qualname(value)}>"
+    if isinstance(value, DeviceMesh):
+        return f"DeviceMesh({value.device_type}, {list(value.shape)}, {value.mesh_dim_names})"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return f"<{type(value).__name__} {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}>"
+    if isinstance(value, types.MethodType):
+        return f"<method {_render(value.__func__, depth + 1, seen)} of {_render(value.__self__, depth + 1, seen)}>"
+    if isinstance(value, (tuple, list)):
+        items = ", ".join(_render(v, depth + 1, seen) for v in value)
+        head = "" if type(value) in (tuple, list) else type(value).__name__
+        return f"{head}({items})" if isinstance(value, tuple) else f"{head}[{items}]"
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{_render(k, depth + 1, seen)}: {_render(v, depth + 1, seen)}" for k, v in value.items())
+        return "{" + items + "}"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_render(v, depth + 1, seen) for v in value)) + "}"
+    state = _state(value) if not isinstance(value, types.ModuleType) else None
+    if state is not None:
+        attrs = ", ".join(f"{k}={_render(v, depth + 1, seen)}" for k, v in sorted(state.items()))
+        return f"{_qualname(value)}({attrs})"
+    return _ADDRESS.sub("", repr(value))
 
 
 _SAME_CALL = ("every rank must call shard() (or the jitted function) with the same plan, mesh, model, modes and "

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from .consistency import check_same_on_all_ranks
+from .consistency import check_same_on_all_ranks, stable_repr
 from .context import ShardContext
 from .mesh import MeshInfo
 from .passes.annotate import Leaf, check_divisible, constraint_table, spec_leaves
@@ -31,8 +31,9 @@ def check_consistent(info: MeshInfo, in_specs: Any, out_specs: Any, program: dic
     """Raise the same ShardingError on every rank of the mesh when any of them has a mesh, specs or
     ``program`` description (named, comparable strings) different from the others' (a collective over
     the mesh's ranks only)."""
-    check_same_on_all_ranks({"mesh": f"{dict(zip(info.names, info.sizes))} {info.links}", "in_specs": repr(in_specs),
-                             "out_specs": repr(out_specs), **program}, info)
+    check_same_on_all_ranks({"mesh": f"{dict(zip(info.names, info.sizes))} {info.links}",
+                             "in_specs": stable_repr(in_specs),
+                             "out_specs": stable_repr(out_specs), **program}, info)
 
 
 def output_text(i: int, leaf: Any) -> str:

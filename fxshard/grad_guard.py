@@ -31,9 +31,10 @@ checked: modules under FSDP2 (their gradients are FSDP2's).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -41,7 +42,7 @@ from .errors import name_few
 from .placements import Replicated
 from .replicas import check_replicas
 
-__all__ = ["track_gradients", "record_gradients", "check_gradients", "forward_started"]
+__all__ = ["track_gradients", "record_gradients", "check_gradients", "forward_started", "records_kept"]
 
 _RECORD = "_fxshard_grad_record"  # on a ShardedModule: {fqn: (weakref of the gradient, its version)} or None
 _QUEUED = "_fxshard_grad_queued"  # on a ShardedModule: a callback is queued for the running backward
@@ -61,6 +62,21 @@ def record_gradients(sm: Any, *, if_recorded: bool = False) -> None:
         return
     sm.__dict__[_RECORD] = {fqn: (weakref.ref(p.grad), p.grad._version)
                             for fqn, p in sm.named_parameters() if p.grad is not None}
+
+
+@contextlib.contextmanager
+def records_kept(modules: Iterable[Any]) -> Iterator[None]:
+    """Ensures: a step inside compares nothing for ``modules`` (gradients fxshard itself put there, as
+    ``optim_state.init_optim_state``'s zeros), and each module's record is as before it afterwards."""
+    modules = list(modules)
+    kept = [sm.__dict__.get(_RECORD) for sm in modules]
+    for sm in modules:
+        sm.__dict__[_RECORD] = None
+    try:
+        yield
+    finally:
+        for sm, record in zip(modules, kept):
+            sm.__dict__[_RECORD] = record
 
 
 def forward_started(sm: Any) -> None:

@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 from .captured import Captured, captured_scalars, check_captured, settled_after_trace
 from .comm_errors import run_program
-from .consistency import check_generators_agree
+from .consistency import check_generators_agree, stable_repr
 from .constrain import constraint_scope
 from .cost import linked_mesh_info
 from .context import ShardContext, runtime_device
@@ -245,8 +245,8 @@ class ShardedFunction:
         check_consistent(info, self._in_specs, self._out_specs, {
             "function": getattr(self._fn, "__qualname__", self.__name__),
             "planner": self._planner,
-            "input signature": repr([(l.path, l.global_shape, str(l.dtype)) if l.is_tensor else (l.path, l.value)
-                                     for l in leaves]),
+            "input signature": stable_repr([(l.path, l.global_shape, str(l.dtype)) if l.is_tensor else (l.path, l.value)
+                                            for l in leaves]),
         })
         captured = captured_scalars(self._fn)
         with constraint_scope(functional=True) as recorded:

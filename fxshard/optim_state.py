@@ -34,13 +34,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .errors import ShardingError
-from .grad_guard import check_gradients
+from .errors import ShardingError, name_few
+from .grad_guard import check_gradients, records_kept
 from .grad_scaling import calling_scaler, check_scaler
 from .optim_kinds import check_optimizer
 from .placements import Replicated
 
-__all__ = ["optim_state_dict", "load_optim_state_dict", "track_optimizers"]
+__all__ = ["optim_state_dict", "load_optim_state_dict", "init_optim_state", "track_optimizers"]
 
 # live ShardedModules in the order they were made (the same on every rank, unlike a WeakSet's): a module's
 # gradient check is a collective, so ranks must run them in one order
@@ -174,23 +174,116 @@ def _fqn_of(sm: Any) -> dict[int, str]:
     return {id(p): n for n, p in sm.named_parameters()}
 
 
-def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"state": {fqn: {name: DTensor | tensor}}, "param_groups": [...]}`` (see module doc)."""
+def init_optim_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has no state yet (built afresh, e.g. to resume in a new process) the state its
+    first step creates, without changing a parameter: what torch's ``get_optimizer_state_dict`` does
+    (``_init_optim_state``), also when gradients are present (torch's skips it then).
+
+    Requires: every rank holding pieces of the same parameters calls it (the step communicates for split
+    parameters, as any step). Ensures: nothing when ``optimizer.state`` is not empty; otherwise one step with zero
+    gradients and ``lr`` 0, the parameters and gradients put back bit for bit afterwards (and what the gradient
+    check of the next step compares, ``grad_guard``).
+    """
+    if optimizer.state:
+        return
+    params = [p for p in _params(optimizer) if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad for p in params]
+    with torch.no_grad():
+        kept = [p.detach().clone() for p in params]
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        held = {id(p) for p in params}
+        with records_kept(sm for sm in list(_MODULES.values()) if any(id(p) in held for p in sm.parameters())):
+            optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        with torch.no_grad():
+            for p, k, grad in zip(params, kept, grads):
+                p.copy_(k)
+                p.grad = grad
+
+
+def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
+    """``{"state": {fqn: {name: DTensor | tensor}}, "param_groups": [...]}`` (see module doc).
+
+    Requires: ``optimizer`` holds only ``sm``'s parameters. Ensures: an optimizer without state is first given
+    the state its first step creates (``init_optim_state``; a collective then), so the result is a template
+    ``torch.distributed.checkpoint.load`` can fill when resuming. With ``full`` (a collective) each DTensor is
+    gathered into the full tensor, e.g. to ``torch.save`` one file."""
     names = _fqn_of(sm)
+    _check_holds(sm, optimizer, names, "optim_state_dict")
+    init_optim_state(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for p, st in optimizer.state.items():
-        if id(p) not in names:
-            raise ShardingError("optim_state_dict: the optimizer holds a parameter that is not the module's; "
-                                "build it from sm.parameters()")
-        state[names[id(p)]] = _as_dtensors(sm, names[id(p)], p, st)
+        st = _as_dtensors(sm, names[id(p)], p, st)
+        state[names[id(p)]] = {k: v.full_tensor() if full and isinstance(v, DTensor) else v for k, v in st.items()}
     groups = []
     for g in optimizer.param_groups:
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]})
     return {"state": state, "param_groups": groups}
 
 
+def _check_holds(sm: Any, optimizer: torch.optim.Optimizer, names: dict[int, str], what: str) -> None:
+    if any(id(p) not in names for p in _params(optimizer)):
+        raise ShardingError(f"{what}: the optimizer holds a parameter that is not the module's; build it from "
+                            f"sm.parameters()")
+
+
+def _check_loadable(optimizer: torch.optim.Optimizer, names: dict[int, str], osd: Any) -> None:
+    """Raise ShardingError unless ``osd`` gives every state entry ``optimizer`` has (after ``init_optim_state``)
+    and nothing it has no place for."""
+    how = ("pass what fxshard.optim_state_dict(sm, opt) returned, filled by torch.distributed.checkpoint.load (or "
+           "a full one saved with full=True) from an optimizer of the same class and settings over the same "
+           "parameters")
+    if not isinstance(osd, dict) or not isinstance(osd.get("state"), dict) or "param_groups" not in osd:
+        raise ShardingError(f"load_optim_state_dict: expected a dict with 'state' and 'param_groups', got "
+                            f"{type(osd).__name__}; {how}")
+    if len(osd["param_groups"]) != len(optimizer.param_groups):
+        raise ShardingError(f"load_optim_state_dict: {len(osd['param_groups'])} param groups given, the optimizer has "
+                            f"{len(optimizer.param_groups)}; {how}")
+    held = {names[id(p)]: p for p in _params(optimizer)}
+    given = osd["state"]
+    unknown = [k for k in given if k not in held]
+    if unknown:
+        raise ShardingError(f"load_optim_state_dict: state for {name_few(sorted(map(str, unknown)), 3)}, which the "
+                            f"optimizer does not hold (not a parameter name of the module, or not given to this "
+                            f"optimizer); nothing was loaded; {how}")
+    problems = []
+    for fqn, p in held.items():
+        want, got = set(optimizer.state.get(p, {})), set(given.get(fqn, {}))
+        if want - got:
+            problems.append(f"{fqn} lacks {sorted(want - got)}")
+        if got - want:
+            problems.append(f"{fqn} has {sorted(got - want)}, which {type(optimizer).__name__} with these settings "
+                            f"does not keep")
+    if problems:
+        empty = " (the state given is empty: a template not filled by a load?)" if not given else ""
+        raise ShardingError(f"load_optim_state_dict: the state given does not match the optimizer's{empty}: "
+                            f"{name_few(problems, 3, '; ')}; nothing was loaded; {how}")
+
+
 def load_optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
-    """Load an ``optim_state_dict`` (possibly filled by ``dcp.load`` at another mesh) into ``optimizer``."""
+    """Load an ``optim_state_dict`` (possibly filled by ``dcp.load`` at another mesh, or a full one) into
+    ``optimizer``.
+
+    Requires: ``optimizer`` holds only ``sm``'s parameters. Ensures: an optimizer without state is first given
+    its structure (``init_optim_state``, a collective); then either every state entry the optimizer keeps is
+    replaced by the given one (each tensor a DTensor in any layout, the full tensor, or this rank's piece) and
+    the param groups' settings are restored, or, when ``osd`` lacks an entry, has one the optimizer has no place
+    for, or is empty, a ShardingError names them and nothing is loaded."""
+    names = _fqn_of(sm)
+    _check_holds(sm, optimizer, names, "load_optim_state_dict")
+    init_optim_state(optimizer)
+    _check_loadable(optimizer, names, osd)
     params = dict(sm.named_parameters())
     by_name = {fqn: _pieces_of(sm, fqn, params[fqn], st) for fqn, st in osd["state"].items()}
     with torch.no_grad():

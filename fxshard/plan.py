@@ -6,7 +6,8 @@ unknown mesh axis, a spec longer than the tensor's rank, a shard dim out of
 range, a style on a module it does not support, and conflicting entries are
 all ShardingErrors naming the entry. A style on a module whose weight or bias is computed by
 ``torch.nn.utils.parametrize`` (weight norm, spectral norm, orthogonal) pins the computed tensor's
-layout at the parametrization's output instead of placing a parameter.
+layout at the parametrization's output instead of placing a parameter. A ParallelStyle that is not one of
+torch's (e.g. torchtitan's ``NoParallel``) is read by applying it to a meta copy (``custom_styles.py``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from torch.distributed.tensor import Placement, Shard
 from torch.nn.utils.parametrize import is_parametrized
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from .custom_styles import read_style
 from .errors import ShardingError
 from .spec import split_ok
 from .symbolic import is_concrete
 from .mesh import MeshInfo
 from .placements import P, Part, Pl, R, Replicated, S, from_torch
-from .styles import STYLE_TYPES, AxisSpec, Boundary, boundary_of
+from .styles import AxisSpec, Boundary, boundary_of, reads_as_torch_style
 
 __all__ = ["resolve_plan", "resolve_boundaries", "to_placements", "is_spec_leaf", "style_axis", "constraint_placements", "check_divisible"]
 
@@ -160,6 +162,18 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
         if isinstance(spec, ParallelStyle):
             axis = style_axis(spec, mesh, key)
             for fqn in _style_hits(key, spec, modules, model):
+                if not reads_as_torch_style(spec):  # another library's style: what it does to a meta copy
+                    for pname, placement in read_style(spec, modules[fqn], mesh, axis, key, fqn).params.items():
+                        name = f"{fqn}.{pname}" if fqn else pname
+                        if name not in tensors:
+                            raise ShardingError(
+                                f"plan entry {key!r}: {type(spec).__qualname__} gives {fqn!r} a tensor {pname!r} "
+                                f"the module does not have; fxshard places the model's own tensors only: create "
+                                f"it in the model, or write this entry with torch's styles or P(...) specs")
+                        pls = [R] * len(mesh.sizes)
+                        pls[axis] = from_torch(placement, tensors[name].dim())
+                        assign(name, tuple(pls), key)
+                    continue
                 if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
                     continue  # SequenceParallel and Prepare* keep parameters replicated
                 for pname, dim in _style_param_dims(spec, modules[fqn], key, fqn).items():
@@ -188,11 +202,6 @@ def resolve_plan(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh: Mesh
 
 
 def _style_hits(key: str, style: Any, modules: Mapping[str, nn.Module], model: nn.Module) -> list[str]:
-    if not isinstance(style, STYLE_TYPES):
-        raise ShardingError(
-            f"plan entry {key!r}: {type(style).__name__} is not a supported ParallelStyle; use ColwiseParallel, "
-            f"RowwiseParallel, SequenceParallel, PrepareModuleInput/Output/InputOutput or P(...) specs"
-        )
     hits = [m for m in modules if fnmatch.fnmatchcase(m, key)]
     if not hits:
         raise ShardingError(
@@ -210,6 +219,9 @@ def resolve_boundaries(plan: Optional[Mapping[str, Any]], model: nn.Module, mesh
         if isinstance(spec, ParallelStyle):
             axis = style_axis(spec, mesh, key)
             for fqn in _style_hits(key, spec, modules, model):
+                if not reads_as_torch_style(spec):
+                    out.setdefault(fqn, []).append(read_style(spec, modules[fqn], mesh, axis, key, fqn).boundary)
+                    continue
                 out.setdefault(fqn, []).append(boundary_of(spec, modules[fqn], axis, key))
                 if not isinstance(spec, (ColwiseParallel, RowwiseParallel)):
                     continue

@@ -34,6 +34,7 @@ from .errors import ShardingError
 __all__ = [
     "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
     "PrepareModuleInputOutput", "AxisSpec", "Boundary", "boundary_of", "STYLE_TYPES",
+    "reads_as_torch_style",
 ]
 
 
@@ -75,6 +76,26 @@ PrepareModuleInputOutput = _with_axis(tp.PrepareModuleInputOutput)
 
 STYLE_TYPES = (tp.ColwiseParallel, tp.RowwiseParallel, tp.SequenceParallel, tp.PrepareModuleInput,
                tp.PrepareModuleOutput, tp.PrepareModuleInputOutput)
+_TWINS = frozenset({ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput,
+                    PrepareModuleInputOutput})
+_NOT_BEHAVIOUR = frozenset({"__init__", "__repr__", "__str__"})
+_DESCRIPTORS = (staticmethod, classmethod, property)
+
+
+def reads_as_torch_style(style: Any) -> bool:
+    """True when ``style`` is translated from its arguments (``boundary_of``): one of torch's styles, fxshard's
+    twin of one, or a subclass of them that defines no method but ``__init__``/``__repr__``. Any other
+    ParallelStyle (another library's, or a subclass overriding ``_apply`` or a hook) is read by applying it
+    (``custom_styles.read_style``)."""
+    if not isinstance(style, STYLE_TYPES):
+        return False
+    for klass in type(style).__mro__:
+        if klass in STYLE_TYPES:
+            return True
+        if klass not in _TWINS and any(k not in _NOT_BEHAVIOUR and (callable(v) or isinstance(v, _DESCRIPTORS))
+                                       for k, v in vars(klass).items()):
+            return False
+    return True
 
 
 def _tuple(x: Any) -> tuple:
