@@ -18,7 +18,8 @@ if [ ! -f "$V/torch-only.txt" ]; then
 fi
 extra=$("${PIP[@]}" freeze --all | grep -vxF -f "$V/torch-only.txt" | sed 's/[=@ ].*//' || true)
 [ -z "$extra" ] || "${PIP[@]}" uninstall -y $extra
-"${PIP[@]}" install --no-cache-dir . 2>&1 | grep -v "^WARNING: Location" || true
+"${PIP[@]}" install --no-cache-dir . > "$V/install.log" 2>&1 \
+  || { grep -v "^WARNING: Location" "$V/install.log"; echo "check_install: pip install . failed" >&2; exit 1; }
 "$V/bin/python" -c "import fxshard, importlib.metadata as m; print('check_install: fxshard', m.version('fxshard'), 'installed with', ', '.join(sorted(r.split(';')[0] for r in m.requires('fxshard') if 'extra ==' not in r)))"
 # run outside the checkout so that the installed package, not ./fxshard, is imported
 work=$(mktemp -d)
