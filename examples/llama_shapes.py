@@ -37,3 +37,14 @@ def llama8b() -> LlamaDecoder:
 def llama_tiny() -> LlamaDecoder:
     """A tiny Llama for quick runs and tests."""
     return LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
+
+
+def hf_llama_tiny():
+    """A tiny Hugging Face ``LlamaForCausalLM`` (needs ``pip install 'fxshard[hf]'``), for ``--plan hf``:
+
+        fxshard plan examples.llama_shapes:hf_llama_tiny --mesh tp=2 --plan hf --seq 16
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -24,6 +25,7 @@ from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
 from .inputs import InputCheck, check_no_autocast
+from .inspect import gathered_input_note, gathered_inputs
 from .mesh import MeshInfo
 from .checkpoint import take
 from .errors import ShardingError
@@ -175,12 +177,21 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
             f"against {fmt_bytes(req.budget - margin)}")
         req = replace(req, margin=margin)
     remember(sm, origins, model, unfilled)
+    _warn_gathered_inputs(sm)
     if src_data_rank is None:
         check_replicas(sm._named_tensors(), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
                        "the model or load the same checkpoint on every rank, or leave src_data_rank=0 (the default) "
                        "to copy rank 0's values")
     return sm
+
+
+def _warn_gathered_inputs(sm: ShardedModule) -> None:
+    """Warn (once per input and axis) when an input split by ``in_specs`` is all-gathered before use, so every
+    rank computes with all of it: a batch split on ``dp`` with the default replicated ``out_specs`` looks like
+    data parallelism but computes the whole batch on every rank (``inspect.gathered_inputs``)."""
+    for g in gathered_inputs(sm.sharding):
+        warnings.warn(f"fxshard.shard: {gathered_input_note(g)}", stacklevel=3)
 
 
 @dataclass

@@ -88,6 +88,44 @@ def _why(sm: Any) -> dict[tuple[str, str], str]:
     return out
 
 
+def _max_seq(model: Any) -> Optional[tuple[int, str]]:
+    """The longest sequence ``model`` takes and where that is set: ``max_seq``/``max_seq_len`` (fxshard.models,
+    torch's test Transformer) or a transformers config's ``max_position_embeddings``; None when it says none."""
+    for attr in ("max_seq", "max_seq_len"):
+        n = getattr(model, attr, None)
+        if isinstance(n, int):
+            return n, f"its {attr}"
+    n = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return (n, "its config.max_position_embeddings") if isinstance(n, int) else None
+
+
+def _check_seq(model: Any, seq: int, ref: str) -> None:
+    """Requires ``--seq`` within the model's maximum sequence length (a longer one fails deep inside the
+    trace, at the rotary or position tables' broadcast)."""
+    limit = _max_seq(model)
+    if seq < 1 or (limit is not None and seq > limit[0]):
+        most = f"at most {limit[0]} ({limit[1]})" if limit is not None else "at least 1"
+        raise CliError(f"--seq {seq} does not fit MODEL {ref}: its sequence length must be {most}; pass a --seq "
+                       f"within it, or build the model with a longer maximum")
+
+
+def _token_inputs(model: Any, tokens: Any, train: bool) -> Any:
+    """Example inputs of token ids: ``(tokens, tokens)`` (ids and targets) for a plain model; for a transformers
+    model (one with a ``config``) the keyword inputs its forward names: ``input_ids``, ``labels`` when training
+    (the loss inside), and ``use_cache=False`` (its key/value cache cannot be a sharded program's output)."""
+    import inspect
+
+    if getattr(model, "config", None) is None:
+        return (tokens, tokens)
+    params = inspect.signature(model.forward).parameters
+    kwargs = {"input_ids": tokens}
+    if train and "labels" in params:
+        kwargs["labels"] = tokens
+    if "use_cache" in params:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
 def plan_command(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
@@ -97,8 +135,10 @@ def plan_command(args: argparse.Namespace) -> int:
     import fxshard
 
     axes = parse_mesh(args.mesh)
+    bandwidth = args.bandwidth and _per_axis(args.bandwidth, "--bandwidth", "bytes_per_s", "dp=25e9,tp=300e9", _number)
+    latency = args.latency and _per_axis(args.latency, "--latency", "seconds", "dp=2e-5,tp=5e-6", _number)
     build = _load(args.model, "MODEL")
-    plan = _load(args.plan, "PLAN") if args.plan else None
+    plan = "hf" if args.plan == "hf" else _load(args.plan, "PLAN") if args.plan else None
     plan = plan() if callable(plan) else plan
     t0 = time.time()
     say = lambda msg: print(f"[{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
@@ -107,8 +147,9 @@ def plan_command(args: argparse.Namespace) -> int:
         built = build()
     model, inputs = built if isinstance(built, tuple) else (built, None)
     if inputs is None:
+        _check_seq(model, args.seq, args.model)
         tokens = torch.zeros(args.batch, args.seq, dtype=torch.long)
-        inputs = (tokens, tokens)
+        inputs = _token_inputs(model, tokens, args.train)
         described = f"token ids {args.batch} x {args.seq} (--batch, --seq)"
     else:
         if not isinstance(inputs, (tuple, list, dict)):
@@ -118,6 +159,7 @@ def plan_command(args: argparse.Namespace) -> int:
             f"{k}={list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}"
             for k, v in (inputs.items() if isinstance(inputs, dict) else enumerate(inputs)))
     kwargs = inputs if isinstance(inputs, dict) else {}
+    tensor_kwargs = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     inputs = () if isinstance(inputs, dict) else tuple(inputs)
     if not args.train:
         model.requires_grad_(False)
@@ -130,14 +172,10 @@ def plan_command(args: argparse.Namespace) -> int:
         in_specs = None
         if "dp" in axes:  # every input's dim 0 is the batch, split over dp
             in_specs = tuple(fxshard.P("dp") for _ in inputs)
-            in_specs = (in_specs, {k: fxshard.P("dp") for k in kwargs}) if kwargs else in_specs
+            in_specs = (in_specs, {k: fxshard.P("dp") for k in tensor_kwargs}) if tensor_kwargs else in_specs
         sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
                            progress=say, auto=args.auto, memory_budget=args.memory_budget,
-                           bandwidth=args.bandwidth and _per_axis(args.bandwidth, "--bandwidth", "bytes_per_s",
-                                                                  "dp=25e9,tp=300e9", _number),
-                           latency=args.latency and _per_axis(args.latency, "--latency", "seconds",
-                                                              "dp=2e-5,tp=5e-6", _number),
-                           planner=args.planner)
+                           bandwidth=bandwidth, latency=latency, planner=args.planner)
         say("computing the memory report")
         mem = fxshard.memory(sm, args.optimizer)
         stats = fxshard.comm_stats(sm)
@@ -184,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("model", help="module:callable returning the model, or (model, inputs) with inputs a tuple "
                                   "or a dict of keyword inputs (built on meta)")
     pl.add_argument("--mesh", required=True, help="mesh axes, major first, e.g. dp=64,tp=8")
-    pl.add_argument("--plan", help="module:attr of a plan dict (or a callable returning one)")
+    pl.add_argument("--plan", help="module:attr of a plan dict (or a callable returning one), or hf: a transformers "
+                                   "model's own tensor-parallel plan (fxshard.from_hf)")
     pl.add_argument("--batch", type=int, default=8, help="global batch size of the example token ids "
                                                           "(when MODEL returns no inputs)")
     pl.add_argument("--seq", type=int, default=128, help="sequence length of the example token ids "

@@ -12,7 +12,7 @@ from .description import sharding_of
 from .module import Program
 from .spec import Spec
 
-__all__ = ["explain", "comm_stats", "collectives"]
+__all__ = ["explain", "comm_stats", "collectives", "gathered_inputs"]
 
 
 def _programs(sm: Any, who: str) -> tuple[Program, ...]:
@@ -22,6 +22,30 @@ def _programs(sm: Any, who: str) -> tuple[Program, ...]:
 def collectives(program: Program) -> list[dict]:
     """Every collective of a program in execution order, with the reason it exists."""
     return [dict(n.meta[COMM_KEY], node=n.name) for n in program.gm.graph.nodes if COMM_KEY in n.meta]
+
+
+def gathered_inputs(view: Any) -> list[dict]:
+    """The user inputs that ``in_specs`` splits on a mesh axis but the forward program all-gathers over that
+    axis before using them: every rank of that axis then computes with the whole input (e.g. a batch split on
+    ``dp`` with outputs replicated on ``dp``, the default ``out_specs``: each rank computes the whole batch, so
+    the split buys no data parallelism). ``view`` is a ``Sharding`` (``sm.sharding``). Each entry gives
+    ``input`` (the placeholder's name), ``axis``, ``consumer`` (the op that needed it whole) and ``source``."""
+    prog = view.programs[0]  # the (training) forward program
+    placeholders = [n for n in prog.gm.graph.nodes if n.op == "placeholder"]
+    names = {n.name for n, slot in zip(placeholders, view.slots) if slot.kind == "input"}
+    return [dict(input=c["value"], axis=c["axis"], consumer=c["consumer"], source=c["source"])
+            for c in collectives(prog) if c["kind"] == "all_gather" and c["value"] in names]
+
+
+def gathered_input_note(g: dict) -> str:
+    """One sentence about a ``gathered_inputs`` entry: what happens and how to split the work instead."""
+    return (f"input {g['input']!r} is split on mesh axis {g['axis']!r} by in_specs, but all-gathered over "
+            f"{g['axis']!r} before its first use (by {g['consumer']}{', ' + g['source'] if g['source'] else ''}): "
+            f"every rank of {g['axis']!r} computes with the whole of it. Either the outputs are replicated on "
+            f"{g['axis']!r} (the default out_specs) while the loss is computed outside, or the planner found gathering "
+            f"this input cheaper than reducing the gradients (a batch small against the parameters). For data "
+            f"parallelism put the loss inside the sharded program (fxshard.loss_parallel) or give out_specs a split on "
+            f"{g['axis']!r}; planner='greedy' keeps a split batch split (docs/plans.md, Data parallelism)")
 
 
 def comm_stats(sm: Any) -> dict[str, dict[str, dict[str, int]]]:
@@ -68,6 +92,8 @@ def explain(sm: Any) -> str:
         lines.append("memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in memory(sm).items()))
     if view.auto is not None:
         lines += view.auto.lines()
+    if view.is_module:
+        lines += [f"note: {gathered_input_note(g)}" for g in gathered_inputs(view)]
     for prog in view.programs:
         rows = []
         for n in prog.gm.graph.nodes:

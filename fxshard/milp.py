@@ -188,7 +188,7 @@ def solve(cost: Sequence[float], integer: Sequence[int], lb: Sequence[float], ub
         if "import_error" in reply:
             raise ShardingError(f"planner='global' solves a MILP with HiGHS through scipy, which does not import in "
                                 f"the solver's process `{' '.join(_command())}` ({reply['import_error']}); pip install "
-                                f"'scipy>=1.11' (or fxshard[solve]) for that interpreter, or use planner='greedy'")
+                                f"'scipy>=1.11' (a dependency of fxshard) for that interpreter, or use planner='greedy'")
         if "error" in reply:
             raise ShardingError(f"internal: the global planner's MILP raised in scipy ({reply['error']}); use "
                                 f"planner='greedy' and please report this model")

@@ -164,5 +164,11 @@ class Pipeline:
     def names(self) -> list[str]:
         return [p.name for p in self.passes]
 
+    def __repr__(self) -> str:
+        """Short: the pass names (``help(fxshard.shard)`` shows the default pipeline in its signature)."""
+        if self.passes == DEFAULT.passes:
+            return "fxshard.pipeline.DEFAULT"
+        return f"Pipeline({', '.join(self.names)})"
+
 
 DEFAULT = Pipeline((PROPAGATE, SOLVE, REDISTRIBUTE, LOCALIZE, EMIT, BUCKET, INPLACE, OVERLAP))

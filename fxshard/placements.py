@@ -28,6 +28,16 @@ from .errors import ShardingError
 
 __all__ = ["R", "S", "Part", "Pl", "Replicated", "P", "Packed", "from_torch", "to_torch"]
 
+if not (Partial.__doc__ or "").strip():  # torch's Partial has none; fxshard re-exports it (help(fxshard.Partial))
+    try:
+        Partial.__doc__ = (
+            "torch's Partial placement: each rank holds a term of the value, which is the reduction (``reduce_op``, "
+            "default 'sum') of the terms over the mesh axis. In fxshard: an input or output declared Partial('sum') "
+            "in in_specs/out_specs (each rank passes or gets a term; its gradient is whole on every rank), and the "
+            "P(sum)/P(max) state propagation gives values that linear ops keep partial until a reduction is needed.")
+    except (AttributeError, TypeError):  # a torch whose class does not take a docstring: help() shows none
+        pass
+
 
 @dataclass(frozen=True)
 class Replicated:

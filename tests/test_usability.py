@@ -1,5 +1,5 @@
 """Small things users notice: shard() progress on a terminal (quiet otherwise), and every ``fxshard.*``
-name the README documents exists after ``import fxshard`` (fake process group, no ranks)."""
+name the README and docs/ document exists after ``import fxshard`` (fake process group, no ranks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import fxshard
 from fxshard import ColwiseParallel, RowwiseParallel
 from tests import models
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [os.path.join(ROOT, "README.md")] + sorted(
+    os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
 
 
 def _shard(mesh, **kw):
@@ -36,9 +38,9 @@ def test_shard_reports_progress_on_a_terminal_only(mesh2, monkeypatch, capsys):
     assert "allocating local shards" in said and capsys.readouterr().err == ""
 
 
-def test_every_name_the_readme_documents_exists():
-    with open(README) as f:
-        names = sorted(set(re.findall(r"\bfxshard(?:\.[A-Za-z_]\w*)+", f.read())))
+def test_every_name_the_docs_document_exists():
+    text = "".join(open(path).read() for path in DOCS)
+    names = sorted(set(re.findall(r"\bfxshard(?:\.[A-Za-z_]\w*)+", text)))
     assert "fxshard.compile.overlap" in names and "fxshard.tiled_init" in names
     missing = []
     for name in names:

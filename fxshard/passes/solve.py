@@ -636,7 +636,8 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
             raise ImportError("No module named 'scipy'")
     except ImportError as e:
         raise ShardingError(f"planner='global' solves a MILP with HiGHS through scipy, which is not installed "
-                            f"({e}); pip install 'scipy>=1.11' (or fxshard[solve]), or use planner='greedy'") from e
+                            f"({e}); scipy is a dependency of fxshard: pip install 'scipy>=1.11' (or reinstall "
+                            f"fxshard), or use planner='greedy'") from e
     milp.prestart()
     t0 = time.perf_counter()
     best = {name: nv.greedy for name, nv in problem.nodes.items()}

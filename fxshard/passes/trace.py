@@ -28,6 +28,7 @@ import io
 import logging
 import os
 import inspect
+import re
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -708,6 +709,31 @@ def _mutation_error(model: torch.nn.Module, spec: Any) -> ShardingError:
         f"optimizer.step(), or compute the changed value as a new tensor in the forward")
 
 
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
+
+
+def _unknown_output_error(model: torch.nn.Module, kwargs: dict, e: BaseException) -> Optional[ShardingError]:
+    """The ShardingError for a forward that returns an object torch.export cannot flatten (``e`` is export's
+    error), or None when ``e`` is another error. A Hugging Face model returning its key/value cache
+    (``DynamicCache``, because ``config.use_cache`` is on) is told to pass ``use_cache=False``."""
+    m = _UNKNOWN_OUTPUT.search(str(e))
+    if m is None:
+        return None
+    cls = m.group(1)
+    short = cls.rpartition(".")[2]
+    config = getattr(model, "config", None)
+    if "cache" in short.lower() and getattr(config, "use_cache", None) and kwargs.get("use_cache") is not False:
+        return ShardingError(
+            f"{type(model).__name__}'s forward returns a {short} (its key/value cache for generation, returned "
+            f"because config.use_cache is True), which cannot be an output of a sharded program; for training "
+            f"and one-pass inference pass use_cache=False in example_kwargs and in every call, or set "
+            f"model.config.use_cache = False before fxshard.shard()")
+    return ShardingError(
+        f"{type(model).__name__}'s forward returns a {cls} object, which torch.export cannot take apart into "
+        f"tensors; return tensors (or tuples, lists, dicts or dataclasses of them), or register {short} as a "
+        f"pytree node (torch.utils._pytree.register_pytree_node) so its tensors can be outputs")
+
+
 def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None,
                   boundaries: Optional[dict] = None) -> Traced:
     """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc).
@@ -726,8 +752,11 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         warn_traced_hooks(model)
         with cumulative_batch_norm_traceable(model), _boundary_hooks(model, boundaries), \
                 custom_gradients_checked(model), forward_state_unchanged(model) as state:
-            ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
-                                     strict=False)
+            try:
+                ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
+                                         strict=False)
+            except RuntimeError as e:
+                raise _unknown_output_error(model, kwargs, e) or e
         state.check_constants(ep.constants)
         _mark_stop_gradients(ep.graph_module)
         _replace_above_autograd(ep.graph_module)
