@@ -10,5 +10,6 @@ set +e
 FXSHARD_VERIFY=1 OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 rc=$?
 set -e
+echo "note: the GPU tests (tests/gpu, marker gpu) were deselected: they need CUDA; on a GPU machine run bash scripts/gpu_check.sh"
 if [ "$rc" -eq 5 ]; then echo "FAIL: pytest collected no tests" >&2; exit 1; fi
 exit "$rc"
