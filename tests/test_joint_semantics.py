@@ -8,6 +8,10 @@ different backward (index_fill), inputs named like graph nodes, stop-gradients (
 a learned attention mask, in-place slice copies and circular padding, data-dependent shapes (also of
 an output), a collective under no_grad, meta example inputs for a real model. Error messages are
 checked on the fake process group.
+
+A second spawn runs the no_grad family (``NO_GRAD_OPS``): each op on an activation and on a parameter
+under ``torch.no_grad()``, trained with ``shard()`` and differentiated inside ``fxshard.jit``, against eager
+(issue 37: a no-op ``.to`` there dropped the gradient of every later use of the tensor).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ fake tensors (``_decomposed``: what ``run_decompositions`` gives, at half its
 cost); buffers the forward updates in place are its first outputs.
 Stop-gradients survive the decompositions: every value the model ``.detach()``-ed
 or computed under ``torch.no_grad()`` reaches its consumers through an
-``aten.alias`` node flagged ``meta[STOP_KEY]`` (``trace_joint`` detaches there).
+``aten.alias`` node flagged ``meta[STOP_KEY]`` (``trace_joint`` detaches there); a tensor a
+``no_grad`` region hands back as itself (a no-op ``.to``) keeps its gradient, as in eager
+(``_mark_stop_gradients``).
 No real weight is allocated.
 """
 
@@ -448,9 +450,9 @@ def _stop_region_outputs(mod: fx.GraphModule, region: fx.Node, rg: dict[fx.Node,
         x = ins[i]
         if x.op != "placeholder" and rg.get(x, False):
             raise ShardingError(
-                f"forward writes {x.name} (computed at {source_line(x) or 'an unknown line'}) in place under "
-                f"torch.no_grad() ({_first_write(getattr(mod, region.args[1].target), i)}), and it needs a "
-                f"gradient: eager's autograd does not see that write (it differentiates as if it had not happened, "
+                f"forward writes a tensor that needs a gradient (computed at {source_line(x) or x.name}) in place "
+                f"under torch.no_grad() ({_first_write(getattr(mod, region.args[1].target), i)}): "
+                f"eager's autograd does not see that write (it differentiates as if it had not happened, "
                 f"or fails in backward where the old value was saved), which one traced program cannot reproduce; "
                 f"compute the new value out-of-place (h = h * 2 instead of h.mul_(2)), under torch.no_grad() "
                 f"if it should carry no gradient")
