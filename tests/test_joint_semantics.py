@@ -8,6 +8,10 @@ different backward (index_fill), inputs named like graph nodes, stop-gradients (
 a learned attention mask, in-place slice copies and circular padding, data-dependent shapes (also of
 an output), a collective under no_grad, meta example inputs for a real model. Error messages are
 checked on the fake process group.
+
+A second spawn runs the no_grad family (``NO_GRAD_OPS``): each op on an activation and on a parameter
+under ``torch.no_grad()``, trained with ``shard()`` and differentiated inside ``fxshard.jit``, against eager
+(issue 37: a no-op ``.to`` there dropped the gradient of every later use of the tensor).
 """
 
 from __future__ import annotations
@@ -277,8 +281,10 @@ def _parity(mesh, model: nn.Module, inputs: tuple, plan: dict, *, in_specs: Any 
             else:
                 full = sm._dtensor(name, mine).full_tensor()
                 res["grad"] = max(res["grad"], _rel(full, p.grad))
-        for a, b, x in zip(ins_ref, ins, inputs):
-            if x.requires_grad:
+        for i, (a, b, x) in enumerate(zip(ins_ref, ins, inputs)):
+            if x.requires_grad and (a.grad is None) != (b.grad is None):
+                res["none_mismatch"].append(f"input {i}")
+            elif x.requires_grad and a.grad is not None:
                 want = local((a.grad,))[0] if local is not None else a.grad
                 res["input_grad"] = max(res["input_grad"], _rel(b.grad, want))
         opt_ref.step()
@@ -398,6 +404,167 @@ def test_meta_example_inputs_for_a_real_model(cases):
 def test_deepseek_v3_multi_head_latent_attention_trains(cases):
     r = cases["deepseek_mla"]
     _assert_parity(r, 1e-4)
+
+
+
+# ---- the no_grad family: what leaves a grad-disabled region keeps its gradient as in eager ----------------
+
+# ``t`` is an activation (``x * w``) or a parameter; each op runs on it under ``torch.no_grad()``. Eager hands
+# the first group back as ``t`` itself (gradient intact; export then maps every later use of ``t`` to the
+# region's output), the second as views or new tensors without a gradient; ``enable_grad`` inside re-enables it.
+NO_GRAD_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "to_same_dtype": lambda t: t.to(torch.float32),
+    "float": lambda t: t.float(),
+    "type_as": lambda t: t.type_as(t),
+    "to_same_device": lambda t: t.to("cpu"),
+    "requires_grad_": lambda t: t.requires_grad_(),
+    "contiguous": lambda t: t.contiguous(),
+    "to_other_dtype": lambda t: t.to(torch.float64),
+    "view": lambda t: t.view(-1),
+    "reshape": lambda t: t.reshape(2, -1),
+    "detach": lambda t: t.detach(),
+    "clone": lambda t: t.clone(),
+    "transpose_contiguous": lambda t: t.t().contiguous(),
+    "new_requires_grad_": lambda t: (t * 2).requires_grad_(),
+    "enable_grad": lambda t: _with_grad(lambda: t * 2),
+}
+NO_GRAD_ON_PARAMETERS = ("to_same_dtype", "float", "requires_grad_", "view", "detach", "clone")
+NO_GRAD_ERRORS = ("in_place_activation", "in_place_parameter")
+
+
+def _with_grad(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    with torch.enable_grad():
+        return fn()
+
+
+class NoGradOp(nn.Module):
+    """``op`` on ``t`` under no_grad feeds an index (argmax) and a term of the loss; ``t`` is used after the
+    region as well. ``in_place_*`` write ``t`` there; ``buffer_write`` copies ``t`` into a slice of a buffer there
+    (eager: the buffer carries no gradient; fxshard differentiated through the copy, doubling ``w.grad``)."""
+
+    def __init__(self, op: str, on: str = "activation") -> None:
+        super().__init__()
+        self.op, self.on = op, on
+        g = torch.Generator().manual_seed(3)
+        self.w = nn.Parameter(torch.randn(8, generator=g))
+        self.p = nn.Parameter(torch.randn(4, 8, generator=g))
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+        self.register_buffer("buf", torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x * self.w if self.on == "activation" else self.p
+        with torch.no_grad():
+            if self.op.startswith("in_place"):
+                g = t.mul_(2.0)
+            elif self.op == "buffer_write":  # through a view: later reads of buf are not the region's output
+                self.buf[:2].copy_(t[:2] * 2)
+                g = self.buf
+            else:
+                g = NO_GRAD_OPS[self.op](t)
+            idx = self.a(g.float().reshape(4, 8)).argmax(-1)
+        return (self.b(t).sum(-1) * idx).sum() + (g.reshape(4, 8).float() * t).sum() + (self.buf * t).sum()
+
+
+class NoOpConversion(nn.Module):
+    """Issue 37's minimal form: a no-op ``.to`` of an activation inside no_grad picks an index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        self.w = nn.Parameter(torch.randn(8, generator=g))
+        self.a, self.b = nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        with torch.no_grad():
+            idx = self.a(h.to(torch.float32)).argmax(-1)
+        return (self.b(h).sum(-1) * idx).sum()
+
+
+def _jit_grads(mesh, model: nn.Module, x: torch.Tensor) -> Any:
+    """``fxshard.jit`` of a function returning ``model``'s loss and its parameter gradients (autograd inside):
+    max error of both against eager autograd (None there is zero here), or the ShardingError's message."""
+    from torch.func import functional_call
+
+    ref = copy.deepcopy(model)
+    loss_ref = ref(x)
+    loss_ref.backward()
+
+    def loss_and_grads(params: dict, buffers: dict, x: torch.Tensor) -> tuple:
+        with torch.enable_grad():
+            params = {k: p.detach().requires_grad_() for k, p in params.items()}
+            loss = functional_call(model, {**params, **buffers}, (x,))
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, materialize_grads=True)
+        return loss.detach(), dict(zip(params, grads))
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    try:
+        loss, grads = fxshard.jit(loss_and_grads, mesh)(params, buffers, x)
+    except fxshard.ShardingError as e:
+        return str(e)
+    err = abs(loss.item() - loss_ref.item()) / max(1.0, abs(loss_ref.item()))
+    for k, p in ref.named_parameters():
+        err = max(err, _rel(grads[k], p.grad if p.grad is not None else torch.zeros_like(p)))
+    return err
+
+
+def _no_grad_cases(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 8, generator=g)
+    plan = {"b": ColwiseParallel()}
+    out: dict = {"shard": {}, "jit": {}, "errors": {}}
+    models = {f"{op}/activation": NoGradOp(op) for op in NO_GRAD_OPS}
+    models |= {f"{op}/parameter": NoGradOp(op, "parameter") for op in NO_GRAD_ON_PARAMETERS}
+    models["buffer_write/activation"] = NoGradOp("buffer_write")
+    models["minimal"] = NoOpConversion()
+    for name, model in models.items():
+        inputs = (x.clone().requires_grad_(name.endswith("activation")),)
+        out["shard"][name] = _parity(mesh, model, inputs, {} if name == "minimal" else plan)  # the issue's: empty
+        out["jit"][name] = _jit_grads(mesh, model, x)
+    for name in NO_GRAD_ERRORS:
+        model = NoGradOp(name, name.split("_")[-1])
+        try:
+            fxshard.shard(model, mesh, plan, example_inputs=(x,))
+            out["errors"][name] = None
+        except fxshard.ShardingError as e:
+            out["errors"][name] = str(e)
+        out["jit"][name] = _jit_grads(mesh, model, x)
+    return out
+
+
+@pytest.fixture(scope="module")
+def no_grad_cases() -> dict:
+    return run_ranks(_no_grad_cases, 2, timeout=900)[0]
+
+
+@pytest.mark.parametrize("case", [f"{op}/activation" for op in NO_GRAD_OPS]
+                         + [f"{op}/parameter" for op in NO_GRAD_ON_PARAMETERS] + ["buffer_write/activation", "minimal"])
+def test_values_leaving_no_grad_keep_eagers_gradient(no_grad_cases, case):
+    """Issue 37: a no-op conversion inside no_grad dropped every later gradient of the tensor it converted
+    (``w.grad`` None where eager's is nonzero), sharded and on one rank; views and new tensors stay detached,
+    a buffer written there carries no gradient."""
+    r = no_grad_cases["shard"][case]
+    _assert_parity(r)
+    assert ("p" if case.endswith("parameter") else "w") not in r["ref_none"], r  # the gradient the issue lost
+    jit = no_grad_cases["jit"][case]
+    if case == "buffer_write/activation":  # jit shards pure functions: an argument written in place is refused
+        assert isinstance(jit, str) and "buffers['buf'] in place" in jit, jit
+    else:
+        assert isinstance(jit, float) and jit <= TOL, jit
+
+
+def test_in_place_write_under_no_grad_to_a_tensor_needing_a_gradient_is_an_error(no_grad_cases):
+    """Eager's autograd does not see the write (or fails in backward where the old value was saved); shard()
+    says so, naming both lines. fxshard.jit runs autograd inside the traced function, as eager does."""
+    msg = no_grad_cases["errors"]["in_place_activation"]
+    assert msg is not None and "in place under torch.no_grad()" in msg and "g = t.mul_(2.0)" in msg, msg
+    assert "t = x * self.w" in msg and "out-of-place" in msg, msg
+    msg = no_grad_cases["errors"]["in_place_parameter"]
+    assert msg is not None and "parameter" in msg, msg
+    assert no_grad_cases["jit"]["in_place_activation"] <= TOL  # autograd runs inside: eager's own semantics
+    assert "params['p'] in place" in no_grad_cases["jit"]["in_place_parameter"]
 
 
 # ---- error messages (fake process group) -------------------------------------------------------
