@@ -30,13 +30,13 @@ from .mesh import MeshInfo
 from .checkpoint import take
 from .errors import ShardingError
 from .captured import forward_scalars, settled_after_trace
-from .module import Program, Programs, ShardedModule, Training
+from .module import Program, Programs, ShardedModule, Training, Untrainable
 from .replicas import check_replicas, communicates, from_source, sentinel
 from .context import runtime_device
 from .frontend import check_consistent, graph_outputs, required_outputs
 from .passes.annotate import annotate
 from .passes.bucket import DEFAULT_BUCKET_MB
-from .passes.joint import joint_context, partition, trace_joint
+from .passes.joint import CollectiveGradient, joint_context, partition, trace_joint
 from .passes.solve import PLANNERS
 from .passes.trace import Traced, trace_forward
 from .pipeline import DEFAULT, Pipeline
@@ -311,12 +311,15 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
     check = InputCheck.from_placeholders([i for i, _ in ins], [n.meta.get("val") for _, n in ins],
                                          [ctx.seeds.get(n, (R,) * k) for _, n in ins], info)
 
-    training = None
+    training = untrainable = None
     if any(wants_grad):
-        training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.buckets_mb, req.remat)
+        try:
+            training = _shard_training(traced, ctx, wants_grad, say, req.pipeline, req.buckets_mb, req.remat)
+        except CollectiveGradient as e:  # as in eager, only a backward through the model's own collective fails
+            untrainable = Untrainable(e, [i for i, w in enumerate(wants_grad) if w])
     say("sharding the inference program")
     gm = req.pipeline(traced.gm, ctx)
-    progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check)
+    progs = Programs(traced, Program(gm, "forward", list(ctx.fallbacks)), training, check, untrainable)
     return progs, placements, shapes, runtime_device(ctx), report
 
 

@@ -47,7 +47,7 @@ import torch.fx as fx
 
 from . import milp
 from .consistency import on_lead
-from .passes.joint import joint_context, trace_joint
+from .passes.joint import CollectiveGradient, joint_context, trace_joint
 from .passes.propagate import propagate
 from .passes.trace import Traced
 from .context import ShardContext
@@ -434,20 +434,23 @@ def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[
     will send them (``bucket_mb``, as ``shard``'s). The traced forward is left as it was."""
     sizes = tuple(ctx.mesh.sizes)
     fwd_ph = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    free: dict[str, list[str]] = {}
-    fixed = 0
-    for node, slot, w in zip(fwd_ph, traced.slots, wants_grad):
-        if slot.kind not in ("param", "buffer") or not isinstance(node.meta.get("val"), torch.Tensor):
-            continue
-        if slot.kind == "param" and not any(n in param_pls for n in slot.names):
-            free[node.name] = list(slot.names)
-        else:
-            fixed += state_bytes(node.meta["val"], ctx.seeds[node], sizes, slot.kind == "param" and w)
+    free = {node.name: list(slot.names) for node, slot in zip(fwd_ph, traced.slots)
+            if slot.kind == "param" and isinstance(node.meta.get("val"), torch.Tensor)
+            and not any(n in param_pls for n in slot.names)}
     if not free:
         return param_pls, None
-    trained = {node.name for node, w in zip(fwd_ph, wants_grad) if w and node.name in free}
+    joint = None
     if any(wants_grad):
-        joint = trace_joint(traced, traced.gm, wants_grad)
+        try:
+            joint = trace_joint(traced, traced.gm, wants_grad)
+        except CollectiveGradient:  # no training program (shard() records why): the forward is all that runs
+            wants_grad = [False] * len(wants_grad)
+    fixed = sum(state_bytes(node.meta["val"], ctx.seeds[node], sizes, slot.kind == "param" and w)
+                for node, slot, w in zip(fwd_ph, traced.slots, wants_grad)
+                if slot.kind in ("param", "buffer") and isinstance(node.meta.get("val"), torch.Tensor)
+                and node.name not in free)
+    trained = {node.name for node, w in zip(fwd_ph, wants_grad) if w and node.name in free}
+    if joint is not None:
         gm, pctx = joint.gm, joint_context(traced, ctx, joint, bucket_mb)
         joint_ph = [n for n in gm.graph.nodes if n.op == "placeholder"]
         rename = {f.name: j.name for f, j in zip(fwd_ph, joint_ph)}

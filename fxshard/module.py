@@ -38,7 +38,7 @@ from .replicas import as_words, check_pieces_differ, check_replicas, communicate
 from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
 
-__all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training"]
+__all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training", "Untrainable"]
 
 
 @dataclass
@@ -65,6 +65,17 @@ class Training:
 
 
 @dataclass
+class Untrainable:
+    """Why there is no training program although primals ``diff_in`` want a gradient: a gradient would reach a
+    collective the model calls itself (``passes.joint.CollectiveGradient``), which eager autograd cannot
+    differentiate either. As in eager, the forward still runs (the inference program); ``error`` is raised by the
+    backward of a call whose outputs need a gradient (``_NoGradient``)."""
+
+    error: ShardingError
+    diff_in: list[int]
+
+
+@dataclass
 class Programs:
     """Everything that runs for one combination of module modes (``training`` of each submodule)."""
 
@@ -72,6 +83,7 @@ class Programs:
     forward: Program
     training: Optional[Training]
     input_check: InputCheck
+    untrainable: Optional[Untrainable] = None  # set where training is None because no training program exists
 
 
 @dataclass(frozen=True)
@@ -160,6 +172,26 @@ class _RunSharded(torch.autograd.Function):
             # as eager: no gradient (None, not zeros) for what no output used in the loss reaches
             res[pos] = g if tr.reaches is None or tr.reaches[k] & used else None
         return (None, None, None, *res)
+
+
+class _NoGradient(torch.autograd.Function):
+    """Runs the inference program of a module without a training program (``Untrainable``) on a call that needs
+    gradients: its floating outputs past the ``n_mut`` buffer updates need a gradient, as eager's do, and the
+    backward raises the ShardingError saying why there is none (eager's would be silently wrong)."""
+
+    @staticmethod
+    def forward(ctx, untrainable: Untrainable, gm: fx.GraphModule, where: str, n_mut: int,  # type: ignore[override]
+                *primals: Any) -> Any:
+        outs = run_program(gm, primals, f"the forward of {where}")
+        ctx.error, ctx.where = untrainable.error, where
+        ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and (
+            i < n_mut or not o.is_floating_point())])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs: Any) -> Any:  # type: ignore[override]
+        raise ShardingError(f"{ctx.where}: its forward ran (as eager's does) but it has no backward, because "
+                            f"{ctx.error}") from ctx.error
 
 
 def _one_value(p: torch.Tensor) -> bool:
@@ -1138,11 +1170,12 @@ class ShardedModule(_StandIn):
     def _run(self, progs: Programs, args: tuple, kwargs: dict) -> tuple:
         """The program's flat outputs (buffer updates first, written back here)."""
         feed = self._feed(progs, args, kwargs)
-        tr = progs.training
+        tr, un = progs.training, progs.untrainable
         if torch.is_grad_enabled():
+            wanted = tr.diff_in if tr is not None else un.diff_in if un is not None else ()
             for i, (slot, x) in enumerate(zip(progs.traced.slots, feed)):
                 if (slot.kind == "input" and isinstance(x, torch.Tensor) and x.requires_grad
-                        and (tr is None or i not in tr.diff_in)):
+                        and i not in wanted):
                     raise ShardingError(
                         f"input {slot.index} requires grad but the example input did not, so {self._where} has no "
                         f"program for its gradient; pass an example input with requires_grad=True to shard() to get "
@@ -1158,8 +1191,13 @@ class ShardedModule(_StandIn):
                 for i, size, stride, offset in group.members:
                     outs[i] = root if i == group.slot else root.as_strided(size, stride, offset)
             return tuple(outs[: tr.n_out])
-        outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")
         mutations = progs.traced.mutations
+        if un is not None and torch.is_grad_enabled() and any(
+            isinstance(feed[i], torch.Tensor) and feed[i].requires_grad for i in un.diff_in
+        ):
+            outs = _NoGradient.apply(un, progs.forward.gm, self._where, len(mutations), *feed)
+        else:
+            outs = run_program(progs.forward.gm, feed, f"the forward of {self._where}")
         if mutations:
             _write_buffers([self._lookup(name) for name in mutations], outs)
         return tuple(outs)

@@ -239,19 +239,23 @@ class ConvBigHeadWithLoss(ConvBigHead):
 
 
 class Seed002Model(nn.Module):
-    """Seed 002's stack of ``nlayers`` bias-free ``Linear(dim, dim)`` (its all_reduce calls removed).
+    """Seed 002's stack of ``nlayers`` bias-free ``Linear(dim, dim)``: its all_reduce calls removed, or, with
+    ``all_reduce=True``, as its author wrote it (``torch.distributed.all_reduce(x)`` after every layer).
 
     FQNs: ``layers.{i}.weight`` (dim, dim). Input ``(..., dim)`` -> ``(..., dim)``.
     """
 
-    def __init__(self, dim: int = 32, nlayers: int = 8, seed: int = 0) -> None:
+    def __init__(self, dim: int = 32, nlayers: int = 8, seed: int = 0, all_reduce: bool = False) -> None:
         super().__init__()
+        self.all_reduce = all_reduce
         with _seeded(seed):
             self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(nlayers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
+            if self.all_reduce:
+                torch.distributed.all_reduce(x)
         return x
 
 

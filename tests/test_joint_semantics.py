@@ -196,20 +196,6 @@ class CollectiveNoGrad(nn.Module):
         return ((self.b(x) * s) ** 2).sum()
 
 
-class Seed002(nn.Module):
-    """Seed 002's model as its author wrote it: an all_reduce after every layer."""
-
-    def __init__(self, dim: int = 8, nlayers: int = 2) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(nlayers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-            torch.distributed.all_reduce(x)
-        return x
-
-
 class Tokens(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -568,25 +554,6 @@ def test_in_place_write_under_no_grad_to_a_tensor_needing_a_gradient_is_an_error
 
 
 # ---- error messages (fake process group) -------------------------------------------------------
-
-def test_user_collective_in_training_is_a_sharding_error(mesh2, capfd, monkeypatch):
-    from contextvars import ContextVar
-
-    import fxshard.passes.propagate as propagate_mod
-
-    # the fallback warning is once per op and context: start from one that has warned about nothing (a test
-    # module run before this one had warned about the collective, and pytest.warns below then failed)
-    monkeypatch.setattr(propagate_mod, "_WARNED", ContextVar("fallback_warned", default=frozenset()))
-    model = Seed002()
-    with pytest.raises(fxshard.ShardingError) as ei:
-        fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(4, 8),))
-    msg = str(ei.value)
-    assert "all_reduce" in msg and "torch.distributed.all_reduce(x)" in msg and "RowwiseParallel" in msg, msg
-    assert "torch.no_grad()" in msg
-    model.requires_grad_(False)  # inference keeps the collective as written (with a fallback warning)
-    with pytest.warns(UserWarning, match="all_reduce"):
-        fxshard.shard(model, mesh2, {}, example_inputs=(torch.randn(4, 8),))
-
 
 class _NoDerivative(nn.Module):
     def __init__(self) -> None:

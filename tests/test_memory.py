@@ -55,6 +55,22 @@ def test_seed002_collective_buffers_do_not_grow_with_depth():
     assert _seed002_peak(8) == _seed002_peak(2) > 0
 
 
+def _seed002_as_written_peak(n_layers: int, megatron: bool) -> int:
+    """Seed 002 as its author wrote it: its own all_reduce after every layer, parameters requiring grad."""
+    model = models.Seed002Model(dim=64, nlayers=n_layers, all_reduce=True)
+    plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(n_layers)}
+    with fake_world(2) as mesh, torch.no_grad():
+        sm = fxshard.shard(model, mesh, plan if megatron else {}, example_inputs=(torch.randn(32, 64),))
+        reduces = [n for n in sm.sharding.inference.gm.graph.nodes if "all_reduce" in str(n.target)]
+        assert len(reduces) >= n_layers  # the model's own run as written (comm_stats counts fxshard's only)
+        return fxshard.memory(sm)["inference_peak"]
+
+
+@pytest.mark.parametrize("megatron", [False, True])
+def test_seed002_as_written_collective_buffers_do_not_grow_with_depth(megatron):
+    assert _seed002_as_written_peak(8, megatron) == _seed002_as_written_peak(2, megatron) > 0
+
+
 def test_a_collective_holds_its_input_until_it_is_waited_for():
     """``x`` is read only by an out-of-place all_gather, but the collective holds it until its wait: an
     op issued in between (``y``) runs with ``x`` still allocated. Modelled as freed at the issue, the

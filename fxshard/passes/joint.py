@@ -15,7 +15,8 @@ forward's stop-gradients (``trace.STOP_KEY``) detach; data-dependent sizes get
 unbacked symbols; placeholders keep the forward's names (clashing nodes are
 renamed). A failure is one ShardingError naming the op and the user's line
 (the forward node being run, or the one whose backward autograd reached last);
-a gradient through a collective the model itself calls is such an error. Where the graph allows it
+a gradient through a collective the model itself calls is such an error (``CollectiveGradient``, which
+``shard`` defers to the backward: only the training program is impossible). Where the graph allows it
 the trace goes one distinct op at a time (``fxshard/trace_by_op.py``: the same graph, a fraction of
 the time on repeated layers). ``rrelu``'s backward is pointed at the noise its forward drew (the
 functionalized trace gives it the buffer before the write).
@@ -55,7 +56,13 @@ from ..trace_by_op import by_op_enabled, joint_by_op
 from ..remat import Policy, check_policy, fit_budget, layer_sets, recomputed, value_bytes
 from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
 
-__all__ = ["Joint", "trace_joint", "joint_context", "partition", "Split"]
+__all__ = ["CollectiveGradient", "Joint", "trace_joint", "joint_context", "partition", "Split"]
+
+
+class CollectiveGradient(ShardingError):
+    """A gradient reaches a torch.distributed collective the model calls itself (eager autograd has no derivative
+    for c10d collectives either). Only the training program is impossible: ``shard`` records it and the module
+    raises it at the backward of a call that needs that gradient; the forward runs (``module.Untrainable``)."""
 
 
 @dataclass
@@ -116,13 +123,14 @@ class _Differentiable(fx.Interpreter):
         self.at = n
         if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in _COLLECTIVES:
             src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and "wait" in str(n.target) else n
-            raise ShardingError(
+            raise CollectiveGradient(
                 f"the model calls a torch.distributed collective ({src.target}) at {source_line(n) or n.name} on a "
                 f"value that needs a gradient; fxshard shards the single-device model itself and inserts the "
                 f"collectives that needs (forward and backward), so write the model for one device: drop the "
                 f"collective and shard the layer with the plan (e.g. RowwiseParallel() where you summed partial "
                 f"outputs). A collective under torch.no_grad() or on a .detach()-ed value is allowed (it runs as "
-                f"written, on every rank); see README, 'Collectives inside the model'")
+                f"written, on every rank), and so is calling the module under torch.no_grad() (its forward runs the "
+                f"collective as written); see README, 'Collectives inside the model'")
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         covered = FUSED_GRAD_ARGS.get(target)
