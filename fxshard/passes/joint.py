@@ -130,7 +130,7 @@ class _Differentiable(fx.Interpreter):
                 f"collective and shard the layer with the plan (e.g. RowwiseParallel() where you summed partial "
                 f"outputs). A collective under torch.no_grad() or on a .detach()-ed value is allowed (it runs as "
                 f"written, on every rank), and so is calling the module under torch.no_grad() (its forward runs the "
-                f"collective as written); see README, 'Collectives inside the model'")
+                f"collective as written); see docs/semantics.md, 'Collectives inside the model'")
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         covered = FUSED_GRAD_ARGS.get(target)

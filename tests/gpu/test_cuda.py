@@ -192,9 +192,7 @@ def _seed002_growth(mesh, nlayers: int, dim: int = 2048, batch: int = 1024) -> t
     """Peak allocated bytes above what is held before the calls, over 5 no-grad forwards of the sharded
     seed-002 model (bf16), and the max difference of its output from eager's."""
     torch.manual_seed(0)
-    # requires_grad off: shard() traces the training program of a model whose parameters need gradients,
-    # and a user all_reduce on the gradient path is refused there (README: collectives inside the model)
-    model = Seed002(dim, nlayers).bfloat16().to(DEVICE).requires_grad_(False)
+    model = Seed002(dim, nlayers).bfloat16().to(DEVICE)  # parameters require grad, as the author's do
     x = torch.randn(batch, dim, dtype=torch.bfloat16, device=DEVICE)
     with torch.no_grad():
         want = model(x)
