@@ -334,9 +334,12 @@ def hf(rounds: int, archs: list[str], planners: tuple[str, ...]) -> dict:
         hf_once("llama", mesh, "greedy")  # warm-up: first-call imports and caches
         for r in range(rounds):
             for a, p in rotated(contenders, r):
-                runs[f"{a} {p}"].append(hf_once(a, mesh, p))
+                planner, _, joint = p.partition("/")
+                os.environ["FXSHARD_TRACE_BY_OP"] = "0" if joint == "whole" else "1"
+                runs[f"{a} {p}"].append(hf_once(a, mesh, planner))
                 print(f"  round {r + 1}/{rounds}: {a} planner={p} {runs[f'{a} {p}'][-1]['total']:6.2f} s", flush=True)
     finally:
+        os.environ.pop("FXSHARD_TRACE_BY_OP", None)
         dist.destroy_process_group()
     names = list(next(iter(runs.values()))[0])
     med = {c: {k: median([x.get(k, 0.0) for x in runs[c]]) for k in names} for c in runs}
