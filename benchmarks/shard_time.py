@@ -5,6 +5,15 @@
     .venv/bin/python benchmarks/shard_time.py --mode phases --planners greedy greedy/whole global global/whole
     .venv/bin/python benchmarks/shard_time.py [--rounds 3] [--layers 2 4 8 16 32]   # vs depth (default)
 
+    .venv/bin/python benchmarks/shard_time.py --mode hf [--rounds 1] [--archs llama qwen3_5_text qwen3_5_moe_text]
+
+``--mode hf``: tiny Hugging Face causal LMs of ``tests/test_hf_zoo.py`` (``build``: hidden 32, 2 layers, the
+hybrid Qwen3.5 models with one gated delta-net linear-attention layer and one full-attention layer), each
+sharded for training by its own tensor-parallel plan (``"hf"``) on a 2-rank mesh of the fake process group,
+labels passed (the loss inside): per phase as ``--mode phases`` (with ``--planners``), the CPU seconds of this
+process (the global planner's MILP runs in a child process and is not in them: its size and seconds are
+listed), the joint graph's node count, and whether ``FXSHARD_VERIFY`` is on.
+
 ``--mode toy``: seed 000's ToyModel (in 1024, hidden 4096, parameters requiring grad, input
 10000 x 1024) with the seed's plan (``net1`` column-wise, ``net2`` row-wise) on a 2-rank mesh of the
 fake process group, each contender in a fresh process per round (what a user's script pays once):
@@ -261,6 +270,88 @@ def phases(rounds: int, n_layers: int, tp: int, dp: int = 1, width: str = "8b",
     return {"layers": n_layers, "tp": tp, "dp": dp, "width": width, "rounds": rounds, "runs": runs, "median_s": med}
 
 
+def hf_once(arch: str, mesh, planner: str) -> dict:
+    """Shard ``tests.test_hf_zoo.build(arch)`` once for training with its own plan; seconds per phase, the
+    global planner's MILPs (nodes, variables, rows, seconds) and the joint graph's size."""
+    import logging
+
+    import fxshard
+    from tests.test_hf_zoo import build
+
+    model, kwargs = build(arch)
+    marks: list[tuple[str, float]] = []
+    acc: dict[str, float] = {}
+    milps: list[dict] = []
+
+    class Solves(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if hasattr(record, "fxshard_solve"):
+                milps.append(record.fxshard_solve)
+
+    log = logging.getLogger("fxshard.passes.solve")
+    handler, level = Solves(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    gc.collect()
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        fxshard.shard(model, mesh, "hf", example_kwargs=kwargs, planner=planner,
+                      progress=lambda msg: marks.append((msg, time.perf_counter())), pipeline=timed_pipeline(acc))
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
+    stage, joint_nodes = {}, 0
+    for i, (msg, t) in enumerate(marks):
+        end = marks[i + 1][1] if i + 1 < len(marks) else t0 + total
+        stage[next(v for k, v in STAGES.items() if msg.startswith(k))] = end - t
+        if msg.startswith("sharding the training program"):
+            joint_nodes = int(msg.split("(")[1].split()[0])
+    out = {"total": total, "export (trace forward)": stage.get("trace forward", 0.0),
+           "joint trace": stage.get("trace joint", 0.0)}
+    out.update(acc)
+    out["other"] = total - sum(v for k, v in out.items() if k != "total")
+    out["total CPU of this process"] = cpu
+    out["MILP seconds (solver process)"] = sum(m.get("seconds", 0.0) for m in milps if not m.get("certified"))
+    out["joint nodes"] = float(joint_nodes)
+    out["MILP variables (largest)"] = float(max((m.get("variables", 0) for m in milps), default=0))
+    return out
+
+
+def hf(rounds: int, archs: list[str], planners: tuple[str, ...]) -> dict:
+    """Interleaved rounds of ``hf_once`` for every (architecture, planner); medians per phase."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from benchmarks._common import rotated
+
+    contenders = [(a, p) for a in archs for p in planners]
+    runs: dict[str, list[dict]] = {f"{a} {p}": [] for a, p in contenders}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        hf_once("llama", mesh, "greedy")  # warm-up: first-call imports and caches
+        for r in range(rounds):
+            for a, p in rotated(contenders, r):
+                planner, _, joint = p.partition("/")
+                os.environ["FXSHARD_TRACE_BY_OP"] = "0" if joint == "whole" else "1"
+                runs[f"{a} {p}"].append(hf_once(a, mesh, planner))
+                print(f"  round {r + 1}/{rounds}: {a} planner={p} {runs[f'{a} {p}'][-1]['total']:6.2f} s", flush=True)
+    finally:
+        os.environ.pop("FXSHARD_TRACE_BY_OP", None)
+        dist.destroy_process_group()
+    names = list(next(iter(runs.values()))[0])
+    med = {c: {k: median([x.get(k, 0.0) for x in runs[c]]) for k in names} for c in runs}
+    verify = os.environ.get("FXSHARD_VERIFY", "0") not in ("", "0")
+    print(f"fxshard.shard() of tiny HF models (tests/test_hf_zoo.py build), training, their own TP plan on 2 ranks "
+          f"(fake process group), FXSHARD_VERIFY {'on' if verify else 'off'}; median of {rounds} rounds, seconds")
+    print(table([[k] + [f"{med[c][k]:.2f}" if "nodes" not in k and "variables" not in k else f"{med[c][k]:.0f}"
+                        for c in runs] for k in names], ["phase"] + list(runs)))
+    return {"archs": archs, "planners": list(planners), "rounds": rounds, "verify": verify, "runs": runs,
+            "median_s": med}
+
+
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Least squares ``y = a + b x``; returns (a, b, r^2)."""
     n = len(xs)
@@ -278,7 +369,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--mode", choices=["depth", "toy", "phases"], default="depth")
+    ap.add_argument("--mode", choices=["depth", "toy", "phases", "hf"], default="depth")
+    ap.add_argument("--archs", nargs="+", default=["llama", "qwen3_5_text", "qwen3_5_moe_text"],
+                    help="--mode hf: architectures of tests/test_hf_zoo.py's ZOO")
     ap.add_argument("--width", choices=sorted(WIDTHS), default="8b", help="--mode phases: Llama-3-8B or -70B shapes")
     ap.add_argument("--dp", type=int, default=1, help="--mode phases: a dp x tp mesh, batch 8 x dp split over dp")
     ap.add_argument("--planners", nargs="+", default=["greedy", "global"],
@@ -292,8 +385,12 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
         info = machine()
         print(f"load average at start: {info['load_avg_at_start']}")
-        out = toy(a.rounds) if a.mode == "toy" else phases(a.rounds, max(a.layers), a.tp, a.dp, a.width,
-                                                           tuple(a.planners))
+        if a.mode == "toy":
+            out = toy(a.rounds)
+        elif a.mode == "hf":
+            out = hf(a.rounds, a.archs, tuple(a.planners))
+        else:
+            out = phases(a.rounds, max(a.layers), a.tp, a.dp, a.width, tuple(a.planners))
         out["machine"] = info
         out["load_avg_at_end"] = list(os.getloadavg())
         print(f"load average at end: {out['load_avg_at_end']}")

@@ -32,6 +32,9 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atten
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, sliding_window=4,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
 EAGER = {"_attn": "eager"}  # models without an SDPA path
+# one layer of each kind, linear-attention heads as small as the full-attention ones
+LINEAR_ATTN = {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+               "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8}
 ZOO: dict[str, dict[str, Any]] = {
     # dense, Llama-like
     "llama": {}, "mistral": {}, "ministral": {}, "qwen2": {}, "qwen3": {}, "phi3": {}, "olmo": {}, "olmo2": {},
@@ -49,6 +52,8 @@ ZOO: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": {"num_key_value_heads": 4}, "minicpm3": {"num_key_value_heads": 4},
     # others: a Mamba hybrid, ReLU^2 MLPs, eager-only attention
     "jamba": {}, "nanochat": {}, "jais2": {}, "mimo_v2_flash": EAGER,
+    # gated delta-net linear attention (chunked; its triangular solve unrolls 63 steps under export) + full attention
+    "qwen3_5_text": LINEAR_ATTN, "qwen3_5_moe_text": LINEAR_ATTN,
 }
 CI_ARCHS = ["llama", "mistral", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "gpt_neox", "starcoder2", "mixtral",
             "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "llama4_text", "deepseek_v3", "phimoe"]
