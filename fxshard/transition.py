@@ -84,6 +84,16 @@ def _communicates(src: Sequence[Pl], dst: Sequence[Pl], sizes: Sequence[int]) ->
     return any(s != d and n > 1 and s != R for s, d, n in zip(src, dst, sizes))
 
 
+def _reduce_in(src: Sequence[Pl], dst: Sequence[Pl], sizes: Sequence[int], dtype: torch.dtype,
+               reduce_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """``reduce_dtype`` when the change reduces a Partial sum (or average) of a float narrower than it, else None."""
+    if reduce_dtype is None or not dtype.is_floating_point or dtype.itemsize >= reduce_dtype.itemsize:
+        return None
+    reduces = any(isinstance(s, Part) and s.op in ("sum", "avg") and s != d and n > 1
+                  for s, d, n in zip(src, dst, sizes))
+    return reduce_dtype if reduces else None
+
+
 def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], mesh: MeshLike,
                     dtype: torch.dtype) -> list[Step]:
     """The steps turning a tensor of global ``shape`` laid out as ``src`` into ``dst`` on this rank.
@@ -91,10 +101,12 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
     Requires one placement per mesh axis in ``src`` and ``dst``; ``mesh`` gives the axis sizes and
     this rank's coordinates (uneven splits have rank-dependent local shapes). Ensures: applying the
     steps in order (``collectives.redistribute_nodes``) yields ``dst``; an axis of one rank or an
-    unchanged placement has no step.
+    unchanged placement has no step. A Partial sum of a float narrower than the mesh's ``reduce_dtype``
+    (``MeshInfo.reduce_dtype``, set under ``torch.autocast``) is reduced in that dtype: the whole change
+    runs in it, between two casts.
     """
     sizes, coords = mesh.sizes, mesh.coords
-    wide = WIDEN.get(dtype)
+    wide = WIDEN.get(dtype) or _reduce_in(src, dst, sizes, dtype, getattr(mesh, "reduce_dtype", None))
     if wide is not None and _communicates(src, dst, sizes):
         return [Step("cast", dtype=wide), *plan_transition(src, dst, shape, mesh, wide), Step("cast", dtype=dtype)]
     itemsize = dtype.itemsize
