@@ -41,7 +41,7 @@ from .pipeline import DEFAULT, Pipeline
 from .progress import Progress, reporter
 from .remat import Policy, check_policy
 from .placements import Pl, R
-from .precision import REDUCE_DTYPE, AutocastState, autocast_off
+from .precision import REDUCE_DTYPE, AutocastState, autocast_off, describe
 from .plan import resolve_boundaries, resolve_plan
 from .sources import Layout, is_blank, remember, settle, shard_tracing, shared_local
 from .spec import local_shape
@@ -272,7 +272,8 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
                            ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device, Optional[AutoReport]]:
     example_inputs, kwargs = req.example_inputs, req.kwargs
     check_consistent(info, req.in_specs, req.out_specs,
-                     {**fingerprint(req.plan, model, example_inputs), "planner": req.planner})
+                     {**fingerprint(req.plan, model, example_inputs), "planner": req.planner,
+                      "autocast": describe(req.autocast, info.device_type)})
     say("checking the plan")
     param_pls = resolve_plan(req.plan, model, info)
     say("tracing the forward (torch.export)")

@@ -24,7 +24,7 @@ import torch
 
 from .errors import ShardingError
 
-__all__ = ["AutocastState", "REDUCE_DTYPE", "autocast_off", "check_autocast"]
+__all__ = ["AutocastState", "REDUCE_DTYPE", "autocast_off", "check_autocast", "describe"]
 
 # the dtype Partial sums of narrower floats are reduced in under autocast (as FSDP2's reduce_dtype=float32)
 REDUCE_DTYPE = torch.float32

@@ -191,6 +191,12 @@ def _mismatch(rank: int, world: int) -> dict:
             out[name] = None
         except ShardingError as e:
             out[name] = str(e)
+    with torch.autocast("cpu", dtype=BF16, enabled=rank == 0):  # ranks that disagree: an error, not a hang
+        try:
+            fxshard.shard(copy.deepcopy(model), mesh, _MLP_PLAN, example_inputs=(x,))
+            out["ranks_differ"] = None
+        except ShardingError as e:
+            out["ranks_differ"] = str(e)
     with torch.autocast("cpu", dtype=BF16):
         out["amp_ok"] = _rel(sm(x), model(x))
     out["plain_ok"] = _rel(plain(x), model(x))
@@ -204,8 +210,12 @@ def _under(dtype: torch.dtype, sm: nn.Module, x: torch.Tensor, cache_enabled: bo
 
 def test_autocast_state_must_match_the_traced_one() -> None:
     """The autocast state (enabled, dtype, cache flag) is part of what a program computes: a call under
-    another one than shard() saw raises, saying both and how to fix it; the matching calls run."""
-    out = run_ranks(_mismatch, 2)[0]
+    another one than shard() saw raises, saying both and how to fix it; the matching calls run. Ranks sharding
+    under different states raise at shard() (their programs would differ)."""
+    outs = run_ranks(_mismatch, 2)
+    out = outs[0]
+    for o in outs:
+        assert "autocast" in o["ranks_differ"], o["ranks_differ"]
     assert "called under no autocast (for 'cpu'), but its programs were traced under torch.autocast('cpu', " \
            "dtype=torch.bfloat16)" in out["amp_without"]
     assert "call the module inside torch.autocast('cpu', dtype=torch.bfloat16)" in out["amp_without"]
