@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import fxshard
-from fxshard import ColwiseParallel, RowwiseParallel
+from fxshard import ColwiseParallel, P, RowwiseParallel
 from fxshard.errors import ShardingError
 from fxshard.ir import COMM_KEY
 from fxshard.models import LlamaDecoder, llama_seed003_plan, make_tokens
@@ -117,6 +117,17 @@ def _autocast_parity(rank: int, world: int) -> dict:
     res["mlp"] = _train(sm, ref, lambda: sm(x), lambda: ref(x), 3)
     res["mlp_reduced"] = _reduced_dtypes(sm)
     res["mlp_comm"] = fxshard.comm_stats(sm)
+    # data parallel (batch split, parameters replicated): bucketed gradient all-reduces of float32 parameters
+    # (a batch large enough that all-reducing the gradients is cheaper than gathering the batch)
+    torch.manual_seed(0)
+    model, batch = _MLP(), torch.randn(256, 16)
+    ref = copy.deepcopy(model)
+    local = batch.chunk(world)[rank]
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(model, mesh, {}, example_inputs=(batch,), in_specs=(P("tp", None),))
+    res["dp"] = _train(sm, ref, lambda: sm(local), lambda: ref(batch), 2)
+    res["dp_reduced"] = _reduced_dtypes(sm)
+    res["dp_comm"] = fxshard.comm_stats(sm)
     # the same model sharded outside autocast reduces its float32 sums as before
     res["fp32_comm"] = fxshard.comm_stats(fxshard.shard(_MLP(), mesh, _MLP_PLAN, example_inputs=(x,)))
 
@@ -139,8 +150,9 @@ def _autocast_parity(rank: int, world: int) -> dict:
     with torch.autocast("cpu", dtype=BF16):
         sm = fxshard.shard(meta, mesh, _MLP_PLAN, example_inputs=(torch.empty(8, 16, device="meta"),))
     sm.load_full_state_dict(full.state_dict())
-    res["meta_casts"] = sum(n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == BF16
-                            for n in sm._traced.gm.graph.nodes)
+    res["meta_casts"] = sorted(n.args[0].name for n in sm._traced.gm.graph.nodes  # of the program's inputs
+                               if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == BF16
+                               and n.args[0].op == "placeholder")
     res["meta"] = _train(sm, full, lambda: sm(x), lambda: full(x), 1)
     sm.eval()
     full.eval()
@@ -154,7 +166,7 @@ def test_autocast_trains_as_eager_autocast() -> None:
     every gradient within bf16 error, float32 parameters, gradients and optimizer state, SGD steps in parity;
     the forward's Partial sum (row-split bf16 matmul) and the gradient reductions run in float32."""
     res = run_ranks(_autocast_parity, 2, timeout=900)[0]
-    for case in ("mlp", "llama", "meta"):
+    for case in ("mlp", "dp", "llama", "meta"):
         r = res[case]
         assert r["loss_dtype"] == torch.float32, case  # eager's mean and cross entropy give float32
         assert max(r["loss"]) < 2e-2, (case, r["loss"])
@@ -164,8 +176,10 @@ def test_autocast_trains_as_eager_autocast() -> None:
         assert r["state_dtypes"] == {torch.float32}, (case, r["state_dtypes"])
         assert r["updates"] < 5e-2, (case, r["updates"])
     assert res["meta_eval"] < 2e-2
-    assert res["meta_casts"] == 5  # x, both weights and biases: autocast cast on the fake CPU tensors it traced
-    assert res["mlp_reduced"] == {torch.float32} and res["llama_reduced"] == {torch.float32}
+    # x, both weights and biases: autocast cast on the fake CPU tensors it traced
+    assert res["meta_casts"] == ["p_down_bias", "p_down_weight", "p_up_bias", "p_up_weight", "x"], res["meta_casts"]
+    assert res["mlp_reduced"] == res["llama_reduced"] == res["dp_reduced"] == {torch.float32}
+    assert res["dp_comm"]["backward"]["all_reduce"]["bytes"] == (16 * 32 + 32 + 32 * 16 + 16 + 16 + 16) * 4
     # the rowwise output [8, 16] is all-reduced in float32: as many bytes as the float32 model's
     assert res["mlp_comm"]["forward"]["all_reduce"] == {"count": 1, "bytes": 8 * 16 * 4}
     assert res["mlp_comm"]["forward"] == res["fp32_comm"]["forward"]
@@ -281,8 +295,6 @@ def test_autocast_casts_stay_apart_in_the_forward(mesh2) -> None:
 
 def test_jit_refuses_autocast(mesh2) -> None:
     """fxshard.jit traces without autocast: under it a call raises, pointing at shard() for mixed precision."""
-    from fxshard import P
-
     sf = fxshard.jit(lambda a, w: a @ w, mesh2, in_specs=(P("tp", None), None), out_specs=P("tp", None))
     with torch.autocast("cpu", dtype=BF16):
         with pytest.raises(ShardingError, match=r"was called: torch.autocast is enabled for 'cpu'.*fxshard.shard\(\) "
