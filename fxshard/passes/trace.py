@@ -17,6 +17,9 @@ cost); buffers the forward updates in place are its first outputs.
 Stop-gradients survive the decompositions: every value the model ``.detach()``-ed
 or computed under ``torch.no_grad()`` reaches its consumers through an
 ``aten.alias`` node flagged ``meta[STOP_KEY]`` (``trace_joint`` detaches there).
+Under ``torch.autocast`` (``trace_forward(autocast=...)``, ``fxshard/precision.py``) the forward runs inside it
+and its casts are ``_to_copy`` nodes; casts to another dtype are never merged (two uses' gradients then sum
+in the wider dtype, as eager's do).
 No real weight is allocated.
 """
 
