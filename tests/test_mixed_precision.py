@@ -300,3 +300,25 @@ def test_jit_refuses_autocast(mesh2) -> None:
         with pytest.raises(ShardingError, match=r"was called: torch.autocast is enabled for 'cpu'.*fxshard.shard\(\) "
                                                 r"called inside torch.autocast"):
             sf(torch.randn(8, 16).chunk(2)[0], torch.randn(16, 8))
+
+
+def test_widened_reductions_are_priced_as_emitted() -> None:
+    """The planners price a bf16 Partial sum's reduction at the float32 bytes plan_transition emits for it
+    (``Link.reduce_scale``, from ``axis_link``/``solve.links_of``); gathers and max reductions keep their bytes."""
+    from fxshard.cost import Link, axis_link, transition_cost
+    from fxshard.mesh import MeshInfo
+    from fxshard.placements import Part, R, S
+    from fxshard.transition import plan_transition
+
+    mesh = MeshInfo(("tp",), (2,), (0,), ("",), "cpu", 0, reduce_dtype=torch.float32)
+    link = axis_link(mesh, 0, BF16)
+    assert link.reduce_scale == 2.0 and axis_link(mesh, 0, torch.float32).reduce_scale == 1.0
+    assert transition_cost(Part("sum"), R, 100.0, 2, link) == transition_cost(Part("sum"), R, 200.0, 2)
+    assert transition_cost(Part("sum"), S(0), 100.0, 2, link) == transition_cost(Part("sum"), S(0), 200.0, 2)
+    assert transition_cost(S(0), R, 100.0, 2, link) == transition_cost(S(0), R, 100.0, 2)
+    assert transition_cost(Part("max"), R, 100.0, 2, link) == transition_cost(Part("max"), R, 100.0, 2)
+    # what is emitted: the [8, 16] bf16 sum all-reduced as float32
+    steps = plan_transition((Part("sum"),), (R,), (8, 16), mesh, BF16)
+    assert [(st.kind, st.dtype) for st in steps] == [("cast", torch.float32), ("all_reduce", None),
+                                                     ("cast", BF16)]
+    assert steps[1].nbytes == 8 * 16 * 4
