@@ -24,7 +24,7 @@ from .cost import linked_mesh_info
 from .constrain import constraint_scope
 from .context import ShardContext
 from .hf import from_hf
-from .inputs import InputCheck, check_no_autocast
+from .inputs import InputCheck
 from .inspect import gathered_input_note, gathered_inputs
 from .mesh import MeshInfo
 from .checkpoint import take
@@ -43,6 +43,7 @@ from .pipeline import DEFAULT, Pipeline
 from .progress import Progress, reporter
 from .remat import Policy, check_policy
 from .placements import Pl, R
+from .precision import REDUCE_DTYPE, AutocastState, autocast_off, describe
 from .plan import resolve_boundaries, resolve_plan
 from .sources import Layout, is_blank, remember, settle, shard_tracing, shared_local
 from .spec import local_shape
@@ -127,11 +128,21 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     have now. ``sm.train()``/``sm.eval()`` (or a submodule's) are followed as in eager: the first
     call in a new combination of modes traces and shards again for it (on every rank: all ranks
     must switch together), and the programs are cached per combination.
+
+    Mixed precision: called inside ``torch.autocast`` (for the mesh's device type), the programs are traced
+    inside it and compute as eager does under it: parameters, their gradients and the optimizer state keep
+    the model's dtypes (float32 master weights), the ops autocast lowers run in its dtype, its casts are
+    nodes of the programs. A Partial sum of a narrower float (a row-split bf16 matmul's output) is reduced
+    in float32 and cast back, as one matmul accumulates; gradients of float32 parameters are reduced in
+    float32. The module must then be called inside the same autocast (dtype and ``cache_enabled`` alike), and
+    one sharded outside autocast must be called outside it: a ShardingError says which.
     """
-    check_no_autocast("shard()", mesh.device_type)
+    autocast = AutocastState.current(mesh.device_type)
     say = reporter(progress)
     plan = from_hf(model) if isinstance(plan, str) and plan == "hf" else plan
     info = linked_mesh_info(mesh, bandwidth, latency)
+    if autocast is not None:
+        info = replace(info, reduce_dtype=REDUCE_DTYPE)
     if src_data_rank is not None and (not isinstance(src_data_rank, int) or not all(
             0 <= src_data_rank < n for n in info.sizes)):
         raise ShardingError(f"src_data_rank={src_data_rank!r} is not a coordinate on every axis of the mesh "
@@ -150,7 +161,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                             f"fxshard complete the plan within it, or drop memory_budget")
     example_inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     req = _Request(plan, example_inputs, dict(example_kwargs or {}), in_specs, out_specs, dynamic_shapes, pipeline,
-                   bucket_mb, planner, remat, auto, budget)
+                   bucket_mb, planner, remat, auto, budget, autocast=autocast)
     captured = forward_scalars(model)
     for attempt in range(RETRIES + 1):
         progs, placements, shapes, runtime, report = _shard_programs(model, info, req, say)
@@ -166,7 +177,8 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
             _resharder(model, info, keep, placements, say, dict(progs.traced.constants))
         sm = ShardedModule(progs, mesh=mesh, info=info, placements=placements, global_shapes=shapes, tensors=tensors,
                            modules=modules, name=type(model).__name__, src_data_rank=src_data_rank, unfilled=unfilled,
-                           reshard=reshard, train_override=train_override, auto=report, captured=captured)
+                           reshard=reshard, train_override=train_override, auto=report, captured=captured,
+                           autocast=autocast)
         if report is None:
             break
         sm._auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)
@@ -211,6 +223,7 @@ class _Request:
     auto: bool = False
     budget: Optional[int] = None
     margin: int = 0  # auto plans against budget - margin (after a result measured over the budget)
+    autocast: Optional[AutocastState] = None  # the forward is traced inside it (precision.py)
 
     @property
     def buckets_mb(self) -> Optional[float]:
@@ -252,7 +265,7 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     thresholds = gc.get_threshold()
     gc.set_threshold(max(thresholds[0], _GC_YOUNG), *thresholds[1:])
     try:
-        with _use_lazy_graph_module(True), shard_tracing():
+        with _use_lazy_graph_module(True), shard_tracing(), autocast_off(info.device_type):
             out = _shard_programs_lazily(model, info, req, say)
     finally:
         gc.set_threshold(*thresholds)
@@ -270,13 +283,14 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
                            ) -> tuple[Programs, dict[str, tuple[Pl, ...]], dict[str, tuple], torch.device, Optional[AutoReport]]:
     example_inputs, kwargs = req.example_inputs, req.kwargs
     check_consistent(info, req.in_specs, req.out_specs,
-                     {**fingerprint(req.plan, model, example_inputs), "planner": req.planner})
+                     {**fingerprint(req.plan, model, example_inputs), "planner": req.planner,
+                      "autocast": describe(req.autocast, info.device_type)})
     say("checking the plan")
     param_pls = resolve_plan(req.plan, model, info)
     say("tracing the forward (torch.export)")
     with constraint_scope() as recorded:
         traced = trace_forward(model, example_inputs, kwargs, req.dynamic_shapes,
-                               resolve_boundaries(req.plan, model, info))
+                               resolve_boundaries(req.plan, model, info), autocast=req.autocast)
     # buffer updates (the first outputs) keep their buffer's layout; user outputs follow out_specs
     k = len(info.sizes)
     out_required = [param_pls.get(b, (R,) * k) for b in traced.mutations] + required_outputs(

@@ -35,8 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import ShardingError
 from .mesh import MeshInfo
-from .placements import Pl, S
-from .transition import Step, plan_transition
+from .placements import Part, Pl, S
+from .transition import REDUCED_IN_WIDER, Step, plan_transition, reduce_scale
 
 __all__ = ["transition_cost", "price", "step_cost", "links", "crosses_nodes", "linked_mesh_info", "axis_link", "INTRA_NODE", "INTER_NODE", "Link", "UNIFORM", "EPS", "ALPHA"]
 
@@ -49,11 +49,14 @@ class Link:
     """An axis's link in the alpha-beta model: ``alpha`` the latency of one collective in byte-equivalents
     of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1);
     ``bucket``, when set, the bytes of the buckets a reduction (all_reduce, reduce_scatter) is packed into:
-    it pays ``min(1, its bytes / bucket)`` of ``alpha`` (a bucketed gradient, ``passes/solve.py::links_of``)."""
+    it pays ``min(1, its bytes / bucket)`` of ``alpha`` (a bucketed gradient, ``passes/solve.py::links_of``);
+    ``reduce_scale``: a reduction of a Partial sum moves that many times the value's bytes (a bf16 value
+    reduced in float32 under autocast: ``transition.reduce_scale``, as ``plan_transition`` emits it)."""
 
     alpha: float = ALPHA
     weight: float = 1.0
     bucket: Optional[float] = None
+    reduce_scale: float = 1.0
 
 
 UNIFORM = Link()
@@ -114,9 +117,12 @@ def linked_mesh_info(mesh: DeviceMesh, bandwidth: Optional[Mapping[str, float]] 
     return dataclasses.replace(info, links=links(info.names, bandwidth, latency, crosses_nodes(mesh)))
 
 
-def axis_link(mesh: MeshInfo, a: int) -> Link:
-    """The link of ``mesh``'s axis ``a`` (``UNIFORM`` when the mesh gives none)."""
-    return mesh.links[a] if mesh.links else UNIFORM
+def axis_link(mesh: MeshInfo, a: int, dtype: Optional[torch.dtype] = None) -> Link:
+    """The link of ``mesh``'s axis ``a`` (``UNIFORM`` when the mesh gives none); with ``dtype``, the one a value
+    of that dtype is priced on (its reductions widened to ``mesh.reduce_dtype``: ``Link.reduce_scale``)."""
+    link = mesh.links[a] if mesh.links else UNIFORM
+    scale = reduce_scale(dtype, mesh.reduce_dtype) if dtype is not None else 1.0
+    return link if scale == 1.0 else dataclasses.replace(link, reduce_scale=scale)
 
 
 def step_cost(st: Step, n: int, link: Link = UNIFORM, rs_policy: bool = True) -> float:
@@ -124,6 +130,8 @@ def step_cost(st: Step, n: int, link: Link = UNIFORM, rs_policy: bool = True) ->
     ``rs_policy=False`` prices a reduce_scatter by the bytes it sends (the global planner)."""
     frac = (n - 1) / n * link.weight
     b = float(st.nbytes)
+    if link.reduce_scale != 1.0 and isinstance(st.src, Part) and st.src.op in REDUCED_IN_WIDER:
+        b *= link.reduce_scale
     reduce_alpha = link.alpha if link.bucket is None else link.alpha * min(1.0, b / link.bucket)
     if st.kind == "all_gather":
         return link.alpha + b * frac

@@ -90,7 +90,9 @@ class MeshInfo:
 
     ``coords[i]`` is this rank's index along axis ``i``; ``group_names[i]`` the
     process group the functional collectives of axis ``i`` run on; ``links[i]`` the speed of axis
-    ``i``'s link as ``cost.Link`` (empty: every axis alike; ``shard(bandwidth=..., latency=...)``).
+    ``i``'s link as ``cost.Link`` (empty: every axis alike; ``shard(bandwidth=..., latency=...)``);
+    ``reduce_dtype``: the dtype Partial sums of narrower floats are reduced in (``shard()`` under
+    ``torch.autocast``: ``precision.REDUCE_DTYPE``), None: in their own dtype.
     """
 
     names: tuple[str, ...]
@@ -100,6 +102,7 @@ class MeshInfo:
     device_type: str
     rank: int
     links: tuple = ()
+    reduce_dtype: Optional[torch.dtype] = None
 
     @staticmethod
     def of(mesh: DeviceMesh) -> "MeshInfo":

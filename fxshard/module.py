@@ -24,7 +24,8 @@ from .comm_errors import run_program
 from .description import Sharding
 from .errors import ShardingError, name_few
 from .grad_norm import clip_grad_norm_ as _clip_grad_norm
-from .inputs import InputCheck, check_no_autocast
+from .inputs import InputCheck
+from .precision import AutocastState, autocast_off, check_autocast
 from .captured import Captured, check_captured
 from .grad_guard import forward_started, record_gradients, track_gradients
 from .optim_state import track_optimizers
@@ -119,6 +120,7 @@ class _RunSharded(torch.autograd.Function):
             _write_buffers(bufs, outs)
         ctx.training = training
         ctx.where = where
+        ctx.device_type = next((x.device.type for x in primals if isinstance(x, torch.Tensor)), "cpu")
         ctx.tensor_pos = [i for i, x in enumerate(saved) if isinstance(x, torch.Tensor)]
         ctx.others = [None if isinstance(x, torch.Tensor) else x for x in saved]
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
@@ -164,7 +166,8 @@ class _RunSharded(torch.autograd.Function):
                 shape, dtype, device = ctx.out_meta[i]
                 g = torch.zeros(shape, dtype=dtype, device=device)
             tangents.append(g.contiguous())
-        grads = run_program(tr.bwd.gm, (*saved, *tangents), f"the backward of {ctx.where}")
+        with autocast_off(ctx.device_type):  # the program holds the casts autocast's backward would make
+            grads = run_program(tr.bwd.gm, (*saved, *tangents), f"the backward of {ctx.where}")
         n_primals = len(ctx.needs_input_grad) - 3
         res: list[Any] = [None] * n_primals
         used = {i for i, g in enumerate(grad_outs) if g is not None}
@@ -807,10 +810,11 @@ class ShardedModule(_StandIn):
                  modules: Sequence[tuple[str, type, bool, str, Mapping[str, Any]]] = (), name: str = "model",
                  reshard: Optional[Callable[[dict[str, bool], dict[str, bool]], Programs]] = None,
                  train_override: Optional[Callable[..., Optional[tuple[dict[str, bool], dict[str, bool]]]]] = None,
-                 auto: Any = None,
+                 auto: Any = None, autocast: Optional[AutocastState] = None,
                  src_data_rank: Optional[int] = 0, unfilled: Sequence[str] = (), captured: Sequence[Captured] = ()):
         super().__init__()
         self._captured = tuple(captured)  # Python scalars the model's forward code read when traced
+        self._autocast = autocast  # the autocast state every program was traced in (precision.py)
         self._mesh = mesh
         self._info = info
         self._placements = placements
@@ -1106,7 +1110,7 @@ class ShardedModule(_StandIn):
         before the backward on the outputs) after it, with no inputs and the program's outputs. Under
         FSDP2 each call first frees whatever an earlier forward left gathered (``_reshard_fsdp``), so a
         forward computes with the sharded parameters' current values."""
-        check_no_autocast(f"{self._where} was called", self._mesh.device_type)
+        check_autocast(f"{self._where} was called", self._mesh.device_type, self.__dict__.get("_autocast"))
         # under TorchDynamo the stack is a traced value, never None: a transform around a compiled module is not seen
         if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
             raise ShardingError(
@@ -1133,7 +1137,8 @@ class ShardedModule(_StandIn):
         for m in fsdp:
             for hid, hook in list(m._forward_pre_hooks.items()):
                 hook(m, (), {}) if m._forward_pre_hooks_with_kwargs.get(hid) else hook(m, ())
-        outs = self._run(progs, args, kwargs)
+        with autocast_off(self._mesh.device_type):  # the programs hold autocast's casts (precision.py)
+            outs = self._run(progs, args, kwargs)
         for m in fsdp:
             for hid, hook in list(m._forward_hooks.items()):
                 hook(m, (), {}, outs) if m._forward_hooks_with_kwargs.get(hid) else hook(m, (), outs)

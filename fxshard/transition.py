@@ -24,7 +24,7 @@ from .placements import Part, Pl, R, S
 from .spec import is_uneven, local_outer, local_shape
 from .symbolic import Dim, ceil_div, is_concrete, prod
 
-__all__ = ["Step", "plan_transition", "COLLECTIVE_KINDS", "WIDEN", "hint"]
+__all__ = ["Step", "plan_transition", "COLLECTIVE_KINDS", "WIDEN", "REDUCED_IN_WIDER", "hint", "reduce_scale"]
 
 # dtypes neither gloo nor NCCL reduce or gather: moved as the wider type (exact for sums modulo 2**16,
 # max, min and plain moves alike)
@@ -84,6 +84,27 @@ def _communicates(src: Sequence[Pl], dst: Sequence[Pl], sizes: Sequence[int]) ->
     return any(s != d and n > 1 and s != R for s, d, n in zip(src, dst, sizes))
 
 
+REDUCED_IN_WIDER = ("sum", "avg")  # the Partial ops whose reductions run in ``MeshInfo.reduce_dtype``
+
+
+def reduce_scale(dtype: torch.dtype, reduce_dtype: Optional[torch.dtype]) -> float:
+    """How many times its own bytes a reduction of a Partial sum of ``dtype`` moves when sums are reduced in
+    ``reduce_dtype`` (1.0 unless ``dtype`` is a narrower float)."""
+    if reduce_dtype is None or not dtype.is_floating_point or dtype.itemsize >= reduce_dtype.itemsize:
+        return 1.0
+    return reduce_dtype.itemsize / dtype.itemsize
+
+
+def _reduce_in(src: Sequence[Pl], dst: Sequence[Pl], sizes: Sequence[int], dtype: torch.dtype,
+               reduce_dtype: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """``reduce_dtype`` when the change reduces a Partial sum (or average) of a float narrower than it, else None."""
+    if reduce_scale(dtype, reduce_dtype) == 1.0:
+        return None
+    reduces = any(isinstance(s, Part) and s.op in REDUCED_IN_WIDER and s != d and n > 1
+                  for s, d, n in zip(src, dst, sizes))
+    return reduce_dtype if reduces else None
+
+
 def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], mesh: MeshLike,
                     dtype: torch.dtype) -> list[Step]:
     """The steps turning a tensor of global ``shape`` laid out as ``src`` into ``dst`` on this rank.
@@ -91,10 +112,12 @@ def plan_transition(src: Sequence[Pl], dst: Sequence[Pl], shape: Sequence[Dim], 
     Requires one placement per mesh axis in ``src`` and ``dst``; ``mesh`` gives the axis sizes and
     this rank's coordinates (uneven splits have rank-dependent local shapes). Ensures: applying the
     steps in order (``collectives.redistribute_nodes``) yields ``dst``; an axis of one rank or an
-    unchanged placement has no step.
+    unchanged placement has no step. A Partial sum of a float narrower than the mesh's ``reduce_dtype``
+    (``MeshInfo.reduce_dtype``, set under ``torch.autocast``) is reduced in that dtype: the whole change
+    runs in it, between two casts.
     """
     sizes, coords = mesh.sizes, mesh.coords
-    wide = WIDEN.get(dtype)
+    wide = WIDEN.get(dtype) or _reduce_in(src, dst, sizes, dtype, getattr(mesh, "reduce_dtype", None))
     if wide is not None and _communicates(src, dst, sizes):
         return [Step("cast", dtype=wide), *plan_transition(src, dst, shape, mesh, wide), Step("cast", dtype=dtype)]
     itemsize = dtype.itemsize

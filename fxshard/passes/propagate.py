@@ -84,10 +84,12 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
         if isinstance(cur, Part) and cur == dst and len(inp.users) > 1 and R not in avail.get((inp.name, axis), ()):
             # a Partial that fans out is reduced once, at the fan-out point (Megatron's f/g): each consumer
             # keeping it Partial would otherwise end in a reduction of its own
-            return transition_cost(cur, R, _nbytes(inp.meta["val"]), sizes[axis], axis_link(mesh, axis))
+            return transition_cost(cur, R, _nbytes(inp.meta["val"]), sizes[axis],
+                                   axis_link(mesh, axis, inp.meta["val"].dtype))
         if cur == dst or dst in avail.get((inp.name, axis), ()):
             return 0.0
-        return transition_cost(cur, dst, _nbytes(inp.meta["val"]), sizes[axis], axis_link(mesh, axis))
+        return transition_cost(cur, dst, _nbytes(inp.meta["val"]), sizes[axis],
+                               axis_link(mesh, axis, inp.meta["val"].dtype))
 
     for node in gm.graph.nodes:
         val = node.meta.get("val")
@@ -202,7 +204,7 @@ def _refine(gm: fx.GraphModule, ctx: ShardContext, max_rounds: int = 4) -> None:
 
     def tc(x: fx.Node, src: Pl, dst: Pl, a: int) -> float:
         return 0.0 if src == dst else transition_cost(src, dst, _nbytes(x.meta["val"]), sizes[a],
-                                                      axis_link(ctx.mesh, a))
+                                                      axis_link(ctx.mesh, a, x.meta["val"].dtype))
 
     for _ in range(max_rounds):
         changed = False

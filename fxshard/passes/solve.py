@@ -40,6 +40,7 @@ from ..consistency import check_same_on_all_ranks, on_lead
 from ..constrain import CONSTRAIN_OP
 from ..context import ShardContext
 from ..cost import UNIFORM, Link, transition_cost
+from ..transition import reduce_scale
 from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
 from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, replicate_all,
@@ -97,8 +98,17 @@ def price(src: Layout, dst: Layout, nbytes: float, sizes: tuple[int, ...], links
 
 def links_of(problem: "Problem", u: ValueKey) -> tuple[Link, ...]:
     """The links value ``u``'s layout changes are priced on: ``problem.links``, with the bucket size for a
-    gradient the bucket pass packs (``price`` applies it to the last reduction only)."""
-    return problem.bucket_links if u in problem.bucketed else problem.links
+    gradient the bucket pass packs (``price`` applies it to the last reduction only), and the factor its
+    Partial sums' reductions widen its bytes by (``problem.reduce_scale``, ``Link.reduce_scale``)."""
+    base = problem.bucket_links if u in problem.bucketed else problem.links
+    scale = problem.reduce_scale.get(u)
+    if scale is None:
+        return base
+    key = (u in problem.bucketed, scale)
+    if key not in problem.scaled_links:
+        problem.scaled_links[key] = tuple(replace(link, reduce_scale=scale)
+                                          for link in (base or (UNIFORM,) * len(problem.sizes)))
+    return problem.scaled_links[key]
 
 
 def _nbytes(val: torch.Tensor) -> float:
@@ -144,6 +154,9 @@ class Problem:
     fixed: dict[ValueKey, Layout] = field(default_factory=dict)  # values whose layout no choice changes
     greedy: dict[ValueKey, Layout] = field(default_factory=dict)  # every value's greedy layout
     nbytes: dict[ValueKey, float] = field(default_factory=dict)
+    # values whose Partial sums are reduced in a wider dtype: the factor it widens their bytes by (links_of)
+    reduce_scale: dict[ValueKey, float] = field(default_factory=dict)
+    scaled_links: dict[tuple, tuple[Link, ...]] = field(default_factory=dict)  # links_of's memo
     required: list[tuple[ValueKey, Layout]] = field(default_factory=list)  # fixed demands (graph outputs)
     # demands that follow a decision node's output (a free parameter's gradient takes its layout)
     tied: list[tuple[ValueKey, str]] = field(default_factory=list)
@@ -323,8 +336,11 @@ def build_problem(gm: fx.GraphModule, ctx: ShardContext, free: Optional[dict[str
         for j, sp in enumerate(specs):
             if isinstance(sp, Spec):
                 problem.greedy[(node.name, j)] = sp.placements
-                problem.nbytes[(node.name, j)] = _nbytes(node.meta["val"] if not isinstance(spec, tuple)
-                                                         else node.meta["val"][j])
+                val = node.meta["val"] if not isinstance(spec, tuple) else node.meta["val"][j]
+                problem.nbytes[(node.name, j)] = _nbytes(val)
+                scale = reduce_scale(val.dtype, ctx.mesh.reduce_dtype)
+                if scale != 1.0:
+                    problem.reduce_scale[(node.name, j)] = scale
         if node.name in free:
             problem.nodes[node.name] = NodeVars([[AxisChoice((), (p,)) for p in pls] for pls in free[node.name]],
                                                 (0,) * k, [])
@@ -564,7 +580,7 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
     for (u, a), slots in consumers.items():
         outs = {q: [x[u[0]][a][i] for i in idx] for q, idx in problem.outputs_of(u, a).items()}
         lay = context[u]
-        key = (a, problem.nbytes[u], u in problem.bucketed, lay[:a] + lay[a + 1:], tuple((q, tuple(c)) for q, c in outs.items()),
+        key = (a, problem.nbytes[u], u in problem.bucketed, problem.reduce_scale.get(u), lay[:a] + lay[a + 1:], tuple((q, tuple(c)) for q, c in outs.items()),
                tuple(tuple((p, tuple(c)) for p, c in by_pl.items()) for by_pl in slots))
         if key in systems:
             systems[key][1][0] += 1

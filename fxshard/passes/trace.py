@@ -19,6 +19,9 @@ or computed under ``torch.no_grad()`` reaches its consumers through an
 ``aten.alias`` node flagged ``meta[STOP_KEY]`` (``trace_joint`` detaches there); a tensor a
 ``no_grad`` region hands back as itself (a no-op ``.to``) keeps its gradient, as in eager
 (``_mark_stop_gradients``).
+Under ``torch.autocast`` (``trace_forward(autocast=...)``, ``fxshard/precision.py``) the forward runs inside it
+and its casts are ``_to_copy`` nodes; casts to another dtype are never merged (two uses' gradients then sum
+in the wider dtype, as eager's do).
 No real weight is allocated.
 """
 
@@ -55,6 +58,7 @@ from ..errors import ShardingError
 from ..forward_state import forward_state_unchanged, warn_traced_hooks
 from ..fake_trace import fake_inputs, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import STOP_KEY, source_line
+from ..precision import AutocastState, autocast_off
 from ..trace_by_op import by_op_enabled, forward_by_op
 from .simplify import drop_noop_clones
 
@@ -618,8 +622,12 @@ class _RandomOps:
             torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
 
 
-def _cse(gm: fx.GraphModule) -> fx.GraphModule:
+def _cse(gm: fx.GraphModule, keep_casts: bool = False) -> fx.GraphModule:
     """Merge identical pure nodes (export repeats views per consumer), keeping node metadata.
+
+    ``keep_casts``: casts to another dtype (``_to_copy`` with ``dtype``) stay apart, for a graph autograd has
+    not run over yet: eager casts twice where the code does (autocast casts each use of a value except a
+    parameter it caches), and the gradients of two casts sum in the wider dtype, those of one in the narrower.
 
     Requires a functional graph: two equal nodes of a graph that mutates could hold different values
     by the time they are read, so a graph with any in-place op is returned unchanged.
@@ -635,6 +643,8 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
     seen: dict[Any, list[tuple[Any, fx.Node]]] = {}
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or getattr(n.target, "overloadpacket", n.target) in random:
+            continue
+        if keep_casts and n.target is aten._to_copy.default and "dtype" in n.kwargs:
             continue
         # earlier merges already rewrote n's arguments to the kept nodes
         args, args_spec = pytree.tree_flatten(n.args)
@@ -841,24 +851,19 @@ def _unknown_output_error(model: torch.nn.Module, kwargs: dict, e: BaseException
         f"pytree node (torch.utils._pytree.register_pytree_node) so its tensors can be outputs")
 
 
-def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None,
-                  boundaries: Optional[dict] = None) -> Traced:
-    """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc).
-
-    ``boundaries`` (module FQN -> style Boundaries) become ``fxshard::constrain`` ops at those
-    modules' inputs and outputs; ``fxshard.constrain`` calls in model code are recorded too.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
-    tensors = list(model.parameters()) + list(model.buffers())
-    args, kwargs = _distinct(args, kwargs)
-    args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
+def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_shapes: Any,
+                       boundaries: Optional[dict], autocast: Optional[AutocastState]
+                       ) -> tuple[Any, fx.GraphModule, list[int]]:
+    """Export's program of ``model(*args, **kwargs)`` (inside ``autocast`` when given) and its decomposed
+    graph with the placeholders it updates (``_decomposed``)."""
+    off = autocast_off(autocast.device_type) if autocast is not None else contextlib.nullcontext()
     with tracing_errors(f"{type(model).__name__} with torch.export (non-strict)",
                         "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on "
-                        "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok():
+                        "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok(), off:
         warn_traced_hooks(model)
-        with cumulative_batch_norm_traceable(model), _boundary_hooks(model, boundaries), \
-                custom_gradients_checked(model), forward_state_unchanged(model) as state:
+        with _forward_inside(model, autocast), cumulative_batch_norm_traceable(model), \
+                _boundary_hooks(model, boundaries), custom_gradients_checked(model), \
+                forward_state_unchanged(model) as state:
             try:
                 ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                          strict=False)
@@ -868,6 +873,97 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         _mark_stop_gradients(ep.graph_module)
         _replace_above_autograd(ep.graph_module)
         gm, mutated = _decomposed(ep.graph_module, decomposition_table(lambda t: _STOP(t)))
+    return ep, gm, mutated
+
+
+@contextlib.contextmanager
+def _forward_inside(model: torch.nn.Module, autocast: Optional[AutocastState]) -> Iterator[None]:
+    """``model.forward`` runs inside ``autocast`` in the block (an instance attribute wrapping it, with its
+    signature: export reads argument names from it); nothing changes without one."""
+    if autocast is None:
+        yield
+        return
+    own = model.__dict__.get("forward")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with autocast.context():
+            return inner(*args, **kwargs)
+
+    model.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = own
+
+
+@contextlib.contextmanager
+def _traced_on(model: torch.nn.Module, args: Any, kwargs: Any, autocast: Optional[AutocastState]
+               ) -> Iterator[tuple[Any, Any]]:
+    """The example inputs to trace with, the model's parameters and buffers swapped for fake tensors on
+    ``autocast``'s device type in the block when any of them or of the inputs lives elsewhere (a meta model:
+    autocast casts nothing on the meta device), inputs made fake tensors of the same mode. Without
+    ``autocast``, or when every tensor is on its device type already, nothing changes."""
+    leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    tensors = list(model.parameters()) + list(model.buffers())
+    if autocast is None or all(t.device.type == autocast.device_type for t in tensors + leaves):
+        yield args, kwargs
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    device = torch.device(autocast.device_type)
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if id(x) not in memo:
+            with mode:
+                t = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+            if isinstance(x, torch.nn.Parameter):
+                t = torch.nn.Parameter(t, requires_grad=x.requires_grad)
+            elif x.requires_grad:
+                t.requires_grad_(True)
+            memo[id(x)] = t
+        return memo[id(x)]
+
+    swapped = []
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is not None:
+                    swapped.append((table, name, t))
+                    table[name] = fake(t)
+    try:
+        yield pytree.tree_map(fake, args), pytree.tree_map(fake, kwargs)
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
+def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any = None,
+                  boundaries: Optional[dict] = None, autocast: Optional[AutocastState] = None) -> Traced:
+    """Export ``model(*args, **kwargs)`` to a decomposed core-ATen graph (see module doc).
+
+    ``boundaries`` (module FQN -> style Boundaries) become ``fxshard::constrain`` ops at those
+    modules' inputs and outputs; ``fxshard.constrain`` calls in model code are recorded too.
+    ``autocast``: the forward runs inside it (``precision.py``), so the graph holds autocast's casts as
+    ``_to_copy`` nodes; every tensor is then traced on that device type (autocast casts nothing on meta).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ShardingError(f"shard() expects an nn.Module, got {type(model).__name__}; wrap your function in a Module")
+    tensors = list(model.parameters()) + list(model.buffers())
+    args, kwargs = _distinct(args, kwargs)
+    with _traced_on(model, args, kwargs, autocast) as (args, kwargs):
+        if autocast is None:
+            args, kwargs = _on_device(args, kwargs, tensors[0].device if tensors else torch.device("cpu"))
+        ep, gm, mutated = _export_decomposed(model, args, kwargs, dynamic_shapes, boundaries, autocast)
 
     sig = ep.graph_signature
     by_id: dict[int, list[str]] = {}
@@ -925,7 +1021,7 @@ def trace_forward(model: torch.nn.Module, args: tuple, kwargs: dict, dynamic_sha
         if node.op == "call_function" and node.target in DROP:
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    gm = drop_noop_clones(_cse(gm))
+    gm = drop_noop_clones(_cse(gm, keep_casts=True))
     _flag_stop_gradients(gm)
 
     flat, in_tree = pytree.tree_flatten((tuple(args), dict(kwargs or {})))

@@ -1,0 +1,324 @@
+"""Mixed precision: ``shard()`` under ``torch.autocast`` trains as eager autocast does.
+
+Each sharded result is compared with the same model run unsharded on one process under the same autocast:
+loss and every gradient (float32 gradients of float32 parameters) at bf16 tolerance, which a missing
+all-reduce (a factor of 2 in the gradients, ~100% off) exceeds many times; then optimizer steps. Partial sums
+of bf16 values are reduced in float32 (read from the programs' collectives), and a call under another
+autocast state than the programs were traced for raises.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import fxshard
+from fxshard import ColwiseParallel, P, RowwiseParallel
+from fxshard.errors import ShardingError
+from fxshard.ir import COMM_KEY
+from fxshard.models import LlamaDecoder, llama_seed003_plan, make_tokens
+from tests.dist_utils import run_ranks
+
+BF16 = torch.bfloat16
+
+
+class _MLP(nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.relu(self.up(x)))
+        return torch.log_softmax(self.norm(h + x), -1).pow(2).mean()
+
+
+_MLP_PLAN = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the reference's largest magnitude."""
+    return ((a.detach().float() - b.detach().float()).abs().max() / b.detach().float().abs().max().clamp_min(1e-12)).item()
+
+
+def _reduced_dtypes(sm: nn.Module) -> set[torch.dtype]:
+    """The dtypes of the values every reducing collective of ``sm``'s programs reduces."""
+    out = set()
+    for prog in sm.sharding.programs:
+        for n in prog.gm.graph.nodes:
+            if COMM_KEY in n.meta and n.meta[COMM_KEY]["kind"] in ("all_reduce", "reduce_scatter"):
+                x = n.args[0]
+                # inserted nodes (the planner's casts, a bucket's cat and views) carry no value: the dtype is
+                # the cast's, else that of what they pack
+                while "val" not in x.meta and not (x.target is torch.ops.aten._to_copy.default and "dtype" in x.kwargs):
+                    x = x.args[0][0] if isinstance(x.args[0], (list, tuple)) else x.args[0]
+                out.add(x.meta["val"].dtype if "val" in x.meta else x.kwargs["dtype"])
+    return out
+
+
+def _compare(sm: nn.Module, ref: nn.Module) -> dict:
+    """Gradient errors (relative) and dtypes of every parameter of ``sm`` against ``ref``'s."""
+    errs, dtypes = {}, set()
+    for n, p in sm.named_parameters():
+        r = ref.get_parameter(n)
+        full = sm._dtensor(n, p.grad).full_tensor()
+        errs[n] = _rel(full, r.grad)
+        dtypes |= {p.dtype, p.grad.dtype}
+    return {"grads": errs, "dtypes": dtypes}
+
+
+def _updates(sm: nn.Module, ref: nn.Module, before: dict) -> float:
+    """The largest relative error of ``sm``'s parameter updates since ``before`` (full tensors by name)."""
+    return max(_rel(sm._dtensor(n, p).full_tensor() - before[n], ref.get_parameter(n) - before[n])
+               for n, p in sm.named_parameters())
+
+
+def _train(sm: nn.Module, ref: nn.Module, call_sm, call_ref, steps: int) -> dict:
+    """``steps`` SGD steps (momentum: float32 state) of both under autocast: per step the loss error, the
+    gradient errors of the first step, the error of the total updates. (Adam's first steps move each weight
+    by about lr * sign(gradient), so bf16 noise in a near-zero gradient flips whole updates: SGD's update is
+    proportional to the gradient, so its parity has bf16's tolerance.)"""
+    before = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (sm, ref)]
+    out: dict = {"loss": []}
+    for step in range(steps):
+        for m in (sm, ref):
+            m.zero_grad()
+        with torch.autocast("cpu", dtype=BF16):
+            ls, lr = call_sm(), call_ref()
+        ls.backward()
+        lr.backward()
+        out["loss"].append(_rel(ls, lr))
+        out["loss_dtype"] = ls.dtype
+        if step == 0:
+            out.update(_compare(sm, ref))
+        for o in opts:
+            o.step()
+    out["updates"] = _updates(sm, ref, before)
+    out["state_dtypes"] = {v.dtype for s in opts[0].state.values() for v in s.values()
+                           if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return out
+
+
+def _autocast_parity(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    res: dict = {}
+    # a tensor-parallel MLP (Colwise/Rowwise): the row-split matmul's bf16 output is a Partial sum
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(8, 16)
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(model, mesh, _MLP_PLAN, example_inputs=(x,))
+    res["mlp"] = _train(sm, ref, lambda: sm(x), lambda: ref(x), 3)
+    res["mlp_reduced"] = _reduced_dtypes(sm)
+    res["mlp_comm"] = fxshard.comm_stats(sm)
+    # data parallel (batch split, parameters replicated): bucketed gradient all-reduces of float32 parameters
+    # (a batch large enough that all-reducing the gradients is cheaper than gathering the batch)
+    torch.manual_seed(0)
+    model, batch = _MLP(), torch.randn(256, 16)
+    ref = copy.deepcopy(model)
+    local = batch.chunk(world)[rank]
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(model, mesh, {}, example_inputs=(batch,), in_specs=(P("tp", None),))
+    res["dp"] = _train(sm, ref, lambda: sm(local), lambda: ref(batch), 2)
+    res["dp_reduced"] = _reduced_dtypes(sm)
+    res["dp_comm"] = fxshard.comm_stats(sm)
+    # the same model sharded outside autocast reduces its float32 sums as before
+    res["fp32_comm"] = fxshard.comm_stats(fxshard.shard(_MLP(), mesh, _MLP_PLAN, example_inputs=(x,)))
+
+    # fxshard.models' Llama with seed 003's plan (sequence parallel, loss parallel), loss inside
+    torch.manual_seed(0)
+    llama = LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=2, hidden=64, max_seq=16)
+    tokens, targets = make_tokens(2, 8, 64, seed=1), make_tokens(2, 8, 64, seed=2)
+    ref = copy.deepcopy(llama)
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(llama, mesh, llama_seed003_plan(), example_inputs=(tokens, targets))
+    res["llama"] = _train(sm, ref, lambda: sm(tokens, targets), lambda: ref(tokens, targets), 2)
+    res["llama_reduced"] = _reduced_dtypes(sm)
+
+    # a model built on the meta device (autocast casts nothing on meta: traced on fake CPU tensors), then a
+    # mode switch, which shards a meta copy again under the same autocast
+    torch.manual_seed(0)
+    full = _MLP()
+    with torch.device("meta"):
+        meta = _MLP()
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(meta, mesh, _MLP_PLAN, example_inputs=(torch.empty(8, 16, device="meta"),))
+    sm.load_full_state_dict(full.state_dict())
+    res["meta_casts"] = sorted(n.args[0].name for n in sm._traced.gm.graph.nodes  # of the program's inputs
+                               if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == BF16
+                               and n.args[0].op == "placeholder")
+    res["meta"] = _train(sm, full, lambda: sm(x), lambda: full(x), 1)
+    sm.eval()
+    full.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        res["meta_eval"] = _rel(sm(x), full(x))
+    return res
+
+
+def test_autocast_trains_as_eager_autocast() -> None:
+    """Sharded under torch.autocast('cpu', bfloat16) vs the unsharded model under the same autocast: loss and
+    every gradient within bf16 error, float32 parameters, gradients and optimizer state, SGD steps in parity;
+    the forward's Partial sum (row-split bf16 matmul) and the gradient reductions run in float32."""
+    res = run_ranks(_autocast_parity, 2, timeout=900)[0]
+    for case in ("mlp", "dp", "llama", "meta"):
+        r = res[case]
+        assert r["loss_dtype"] == torch.float32, case  # eager's mean and cross entropy give float32
+        assert max(r["loss"]) < 2e-2, (case, r["loss"])
+        # bf16 rounding is ~0.4% per op; a missing reduction is off by ~100%
+        assert max(r["grads"].values()) < 5e-2, (case, r["grads"])
+        assert r["dtypes"] == {torch.float32}, (case, r["dtypes"])
+        assert r["state_dtypes"] == {torch.float32}, (case, r["state_dtypes"])
+        assert r["updates"] < 5e-2, (case, r["updates"])
+    assert res["meta_eval"] < 2e-2
+    # x, both weights and biases: autocast cast on the fake CPU tensors it traced
+    assert res["meta_casts"] == ["p_down_bias", "p_down_weight", "p_up_bias", "p_up_weight", "x"], res["meta_casts"]
+    assert res["mlp_reduced"] == res["llama_reduced"] == res["dp_reduced"] == {torch.float32}
+    assert res["dp_comm"]["backward"]["all_reduce"]["bytes"] == (16 * 32 + 32 + 32 * 16 + 16 + 16 + 16) * 4
+    # the rowwise output [8, 16] is all-reduced in float32: as many bytes as the float32 model's
+    assert res["mlp_comm"]["forward"]["all_reduce"] == {"count": 1, "bytes": 8 * 16 * 4}
+    assert res["mlp_comm"]["forward"] == res["fp32_comm"]["forward"]
+
+
+def _mismatch(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model, x = _MLP(), torch.randn(8, 16)
+    out: dict = {}
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(copy.deepcopy(model), mesh, _MLP_PLAN, example_inputs=(x,))
+    plain = fxshard.shard(copy.deepcopy(model), mesh, _MLP_PLAN, example_inputs=(x,))
+    calls = {
+        "amp_without": lambda: sm(x),
+        "plain_under": lambda: _under(BF16, plain, x),
+        "other_dtype": lambda: _under(torch.float16, sm, x),
+        "no_cache": lambda: _under(BF16, sm, x, cache_enabled=False),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = None
+        except ShardingError as e:
+            out[name] = str(e)
+    with torch.autocast("cpu", dtype=BF16, enabled=rank == 0):  # ranks that disagree: an error, not a hang
+        try:
+            fxshard.shard(copy.deepcopy(model), mesh, _MLP_PLAN, example_inputs=(x,))
+            out["ranks_differ"] = None
+        except ShardingError as e:
+            out["ranks_differ"] = str(e)
+    with torch.autocast("cpu", dtype=BF16):
+        out["amp_ok"] = _rel(sm(x), model(x))
+    out["plain_ok"] = _rel(plain(x), model(x))
+    return out
+
+
+def _under(dtype: torch.dtype, sm: nn.Module, x: torch.Tensor, cache_enabled: bool = True) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=dtype, cache_enabled=cache_enabled):
+        return sm(x)
+
+
+def test_autocast_state_must_match_the_traced_one() -> None:
+    """The autocast state (enabled, dtype, cache flag) is part of what a program computes: a call under
+    another one than shard() saw raises, saying both and how to fix it; the matching calls run. Ranks sharding
+    under different states raise at shard() (their programs would differ)."""
+    outs = run_ranks(_mismatch, 2)
+    out = outs[0]
+    for o in outs:
+        assert "autocast" in o["ranks_differ"], o["ranks_differ"]
+    assert "called under no autocast (for 'cpu'), but its programs were traced under torch.autocast('cpu', " \
+           "dtype=torch.bfloat16)" in out["amp_without"]
+    assert "call the module inside torch.autocast('cpu', dtype=torch.bfloat16)" in out["amp_without"]
+    assert "under torch.autocast('cpu', dtype=torch.bfloat16), but its programs were traced under no autocast" \
+           in out["plain_under"]
+    assert "call shard() inside the same torch.autocast" in out["plain_under"]
+    assert "dtype=torch.float16" in out["other_dtype"]
+    assert "cache_enabled=False" in out["no_cache"]
+    assert out["amp_ok"] < 2e-2 and out["plain_ok"] < 1e-5
+
+
+def _pure_bf16(rank: int, world: int) -> dict:
+    mesh = fxshard.init_mesh(tp=world)
+    torch.manual_seed(0)
+    model, x = _MLP().to(BF16), torch.randn(8, 16, dtype=BF16)
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh, _MLP_PLAN, example_inputs=(x,))
+    ls, lr = sm(x), ref(x)
+    ls.backward()
+    lr.backward()
+    return {"loss": _rel(ls, lr), **_compare(sm, ref), "reduced": _reduced_dtypes(sm)}
+
+
+def test_pure_bf16_still_reduces_in_bf16() -> None:
+    """A model converted to bfloat16 (no autocast) trains as before: bf16 parameters and gradients, sums
+    reduced in bf16 (the mesh's reduce dtype is set only under autocast)."""
+    out = run_ranks(_pure_bf16, 2)[0]
+    assert out["loss"] < 2e-2 and max(out["grads"].values()) < 5e-2, out
+    assert out["dtypes"] == {BF16} and out["reduced"] == {BF16}
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 3  # not a parameter: autocast casts it at each linear (a parameter it casts once, cached)
+        return (self.lin(h) - self.lin(h).flip(0)).float().pow(2).sum()
+
+
+def test_autocast_casts_stay_apart_in_the_forward(mesh2) -> None:
+    """Autocast casts a value other than a parameter at each use; the traced forward keeps those casts apart:
+    merged, the gradients of the uses would sum in bf16 instead of float32 (eager's gradient of x here), a
+    parameter used twice is cast once, as autocast's cache does. Replicated plan: the fake group's numerics
+    are real."""
+    torch.manual_seed(0)
+    model, x = _Twice(), torch.randn(8, 16, requires_grad=True)
+    ref = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=BF16):
+        sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+        xs = x.detach().clone().requires_grad_()
+        sm(xs).backward()
+        ref(x).backward()
+    g = sm._traced.gm.graph  # the traced forward, which autograd differentiates
+    sources = [n.args[0].name for n in g.nodes
+               if n.target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == BF16]
+    assert sorted(sources) == ["mul", "mul", "p_lin_bias", "p_lin_weight"], sources
+    assert torch.equal(xs.grad, x.grad), (xs.grad - x.grad).abs().max()
+    for n, p in sm.named_parameters():
+        assert torch.equal(p.grad, ref.get_parameter(n).grad), n
+
+
+def test_jit_refuses_autocast(mesh2) -> None:
+    """fxshard.jit traces without autocast: under it a call raises, pointing at shard() for mixed precision."""
+    sf = fxshard.jit(lambda a, w: a @ w, mesh2, in_specs=(P("tp", None), None), out_specs=P("tp", None))
+    with torch.autocast("cpu", dtype=BF16):
+        with pytest.raises(ShardingError, match=r"was called: torch.autocast is enabled for 'cpu'.*fxshard.shard\(\) "
+                                                r"called inside torch.autocast"):
+            sf(torch.randn(8, 16).chunk(2)[0], torch.randn(16, 8))
+
+
+def test_widened_reductions_are_priced_as_emitted() -> None:
+    """The planners price a bf16 Partial sum's reduction at the float32 bytes plan_transition emits for it
+    (``Link.reduce_scale``, from ``axis_link``/``solve.links_of``); gathers and max reductions keep their bytes."""
+    from fxshard.cost import Link, axis_link, transition_cost
+    from fxshard.mesh import MeshInfo
+    from fxshard.placements import Part, R, S
+    from fxshard.transition import plan_transition
+
+    mesh = MeshInfo(("tp",), (2,), (0,), ("",), "cpu", 0, reduce_dtype=torch.float32)
+    link = axis_link(mesh, 0, BF16)
+    assert link.reduce_scale == 2.0 and axis_link(mesh, 0, torch.float32).reduce_scale == 1.0
+    assert transition_cost(Part("sum"), R, 100.0, 2, link) == transition_cost(Part("sum"), R, 200.0, 2)
+    assert transition_cost(Part("sum"), S(0), 100.0, 2, link) == transition_cost(Part("sum"), S(0), 200.0, 2)
+    assert transition_cost(S(0), R, 100.0, 2, link) == transition_cost(S(0), R, 100.0, 2)
+    assert transition_cost(Part("max"), R, 100.0, 2, link) == transition_cost(Part("max"), R, 100.0, 2)
+    # what is emitted: the [8, 16] bf16 sum all-reduced as float32
+    steps = plan_transition((Part("sum"),), (R,), (8, 16), mesh, BF16)
+    assert [(st.kind, st.dtype) for st in steps] == [("cast", torch.float32), ("all_reduce", None),
+                                                     ("cast", BF16)]
+    assert steps[1].nbytes == 8 * 16 * 4
