@@ -243,14 +243,18 @@ def step_flops(step: Callable[[], Any]) -> int:
     return int(counter.get_total_flops())
 
 
-def make_step(module, opt, batch, autocast_dtype, device: str) -> Callable[[], Any]:
-    """forward (loss inside) + backward + optimizer step + zero_grad, under autocast when a dtype is given."""
+def autocast_of(device: str, dtype) -> Callable[[], Any]:
+    """A factory of the step's autocast context: ``torch.autocast(device, dtype)``, or no autocast for None."""
     import contextlib
 
     import torch
 
-    ctx = (lambda: torch.autocast(device, dtype=autocast_dtype)) if autocast_dtype is not None \
-        else contextlib.nullcontext
+    return (lambda: torch.autocast(device, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+
+def make_step(module, opt, batch, autocast_dtype, device: str) -> Callable[[], Any]:
+    """forward (loss inside) + backward + optimizer step + zero_grad, under autocast when a dtype is given."""
+    ctx = autocast_of(device, autocast_dtype)
 
     def step():
         with ctx():
@@ -278,8 +282,8 @@ def build(name: str, cfg: dict, layers: int, mesh, group, device: str, autocast_
         plan = layer_plan() if base == "fxshard-free" else pinned_plan()
         # example inputs: global shapes on the meta device; the ShardedModule runs on the mesh's device
         example = tuple(torch.empty((cfg["batch"], cfg["seq"]), dtype=torch.long, device="meta") for _ in range(2))
-        module = fxshard.shard(global_model(cfg, layers, "cpu"), mesh, plan, example_inputs=example,
-                               **({"mixed_precision": autocast_dtype} if autocast_dtype is not None else {}))
+        with autocast_of(device, autocast_dtype)():  # shard() inside the autocast the step runs under
+            module = fxshard.shard(global_model(cfg, layers, "cpu"), mesh, plan, example_inputs=example)
     if name.endswith("-compiled"):
         if base == "fxshard":
             module.compile()

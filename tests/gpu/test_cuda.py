@@ -114,8 +114,8 @@ def test_llama_trains_like_eager_on_cuda(dtype, built_on):
         model = LlamaDecoder(**SMALL)
     batches = _batches(SMALL)
     with _world("real") as mesh:
-        kw = {"mixed_precision": dtype} if dtype is not None else {}
-        sm = fxshard.shard(model, mesh, megatron_plan(), example_inputs=batches[0], **kw)
+        with _autocast(dtype):  # mixed precision: shard() inside the autocast the calls run under
+            sm = fxshard.shard(model, mesh, megatron_plan(), example_inputs=batches[0])
         if built_on == "meta":
             sm.load_full_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
             for name in ("rope_cos", "rope_sin"):
@@ -158,8 +158,8 @@ def test_tp8_plan_at_llama_shapes_runs_on_cuda_without_fallback():
         warnings.simplefilter("always")
         with torch.device("meta"):
             model = LlamaDecoder(**cfg)
-        sm = fxshard.shard(model, mesh, megatron_plan(), example_inputs=(tokens, tokens),
-                           mixed_precision=torch.bfloat16)
+        with _autocast(torch.bfloat16):
+            sm = fxshard.shard(model, mesh, megatron_plan(), example_inputs=(tokens, tokens))
         sm.init_parameters(lambda name, t: nn.init.normal_(t, std=0.02) if "rope" not in name else None)
         text = fxshard.explain(sm)
         with _autocast(torch.bfloat16):
