@@ -11,10 +11,11 @@ program runs (``F.scaled_dot_product_attention``'s own choice on the device the 
 * ``fxshard::attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False) -> out``:
   ``out`` is always contiguous ``[..., L, Ev]`` (no program depends on the layout a kernel returns).
 * ``fxshard::attention_backward(grad, q, k, v, attn_mask, is_causal, scale, enable_gqa, mask_grad) ->
-  [grad_q, grad_k, grad_v(, grad_mask)]``: recomputes the forward under autograd and differentiates it
-  (one extra attention forward per call; works for every kernel and device, never materialises the
-  ``[B, H, L, S]`` scores beyond what the kernel does; ``torch.func.vjp``, as autograd is off inside a kernel). Each gradient is contiguous, in its input's shape;
-  ``grad_mask`` (only with ``mask_grad``) is the learned mask's gradient.
+  [grad_q, grad_k, grad_v(, grad_mask)]``: recomputes the forward and differentiates it (one extra
+  attention forward per call): on CPU, where eager picks the fused kernel, that kernel's forward and
+  backward; elsewhere ``torch.func.vjp`` of ``F.scaled_dot_product_attention``, which works for every kernel
+  and device and materialises no more than the kernel does. Each gradient is contiguous, in its input's
+  shape; ``grad_mask`` (only with ``mask_grad``) is the learned mask's gradient.
 * Attention is not a random op: the ops carry no ``nondeterministic_seeded`` tag. Attention with
   ``dropout_p > 0`` is not routed here: it is traced as torch's math form (``_scaled_dot_product_attention_math``,
   decomposed into matmuls, softmax and a dropout whose mask is drawn per rank like any other dropout), as
@@ -29,6 +30,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
 aten = torch.ops.aten
@@ -62,6 +64,13 @@ def _attention_fake(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 def _attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float], enable_gqa: bool,
                         mask_grad: bool) -> list[torch.Tensor]:
+    if _cpu_flash(query, key, value, attn_mask, is_causal, scale, enable_gqa, mask_grad):
+        # what eager's backward runs: the CPU kernel's own backward, on the recomputed output and logsumexp
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, is_causal,
+                                                                     attn_mask=attn_mask, scale=scale)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, query, key, value, out, lse, 0.0,
+                                                                         is_causal, attn_mask=attn_mask, scale=scale)
+        return [g.contiguous() for g in grads]
     # torch.func.vjp: autograd is off inside an op's kernel (the dispatcher runs it below autograd)
     if mask_grad and attn_mask is not None:
         _, vjp = torch.func.vjp(lambda q, k, v, m: _sdpa(q, k, v, m, is_causal, scale, enable_gqa),
@@ -71,6 +80,17 @@ def _attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tens
                                 query, key, value)
     grads = vjp(grad)
     return [g.contiguous() for g in grads]
+
+
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,
+               scale: Optional[float], enable_gqa: bool, mask_grad: bool) -> bool:
+    """Whether eager runs this attention on CPU's fused kernel, whose backward then serves directly (no mask
+    gradient, no GQA: the kernel's backward has neither)."""
+    return (q.device.type == "cpu" and not mask_grad and not enable_gqa and q.dim() == 4
+            and aten._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale) == _FLASH)
+
+
+_FLASH = int(SDPBackend.FLASH_ATTENTION)
 
 
 @_attention_backward.register_fake
