@@ -85,8 +85,10 @@ def _attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tens
 def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool,
                scale: Optional[float], enable_gqa: bool, mask_grad: bool) -> bool:
     """Whether eager runs this attention on CPU's fused kernel, whose backward then serves directly (no mask
-    gradient, no GQA: the kernel's backward has neither)."""
+    gradient, no GQA: the kernel's backward has neither; a boolean mask, which eager converts first, takes the
+    general path)."""
     return (q.device.type == "cpu" and not mask_grad and not enable_gqa and q.dim() == 4
+            and (mask is None or mask.dtype == q.dtype)
             and aten._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale) == _FLASH)
 
 
