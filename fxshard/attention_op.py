@@ -152,7 +152,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
               dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
               enable_gqa: bool = False, _apply: Any = ATTENTION) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as fxshard traces it (see module doc): ``fxshard::attention``
-    unless ``dropout_p`` is not 0 or only the math backend is enabled, then torch's math form."""
+    unless ``dropout_p`` is not 0 or only the math backend is enabled, then torch's math form. ``_apply``
+    calls the op (``_Attention.apply`` where ``torch.func`` transforms may differentiate it)."""
     if (not isinstance(dropout_p, (int, float)) or dropout_p != 0.0) or not fused_backends_enabled():
         kw: dict[str, Any] = {"scale": scale}
         if enable_gqa:
