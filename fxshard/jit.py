@@ -15,8 +15,9 @@ arguments (in pytree order, named after the argument path, e.g.
 ``in_params_net1_weight``) and one output per leaf of the result:
 ``make_fx(fn, tracing_mode="fake")`` with the table the training graph of
 ``fxshard.shard`` is traced with (``fxshard.passes.trace.joint_decomposition_table()``:
-fused kernels that have rules kept, ``scatter.value`` rewritten into ops that have rules), attention on the math SDPA backend so its backward is
-plain ATen; a graph with in-place ops is traced again under ``functionalize``
+fused kernels that have rules kept, ``scatter.value`` rewritten into ops that have rules), attention as one
+``fxshard::attention`` node (``fxshard/attention_op.py::attention_as_one_op``, its backward one
+``fxshard::attention_backward``); a graph with in-place ops is traced again under ``functionalize``
 (``functionalize`` is not the outer transform of the first trace because it
 rejects the autograd.Function ``fxshard.constrain`` differentiates through
 under ``torch.func``); ``aten.alias`` and shape assertions dropped and the graph
@@ -37,12 +38,12 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.func import functionalize
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
+from .attention_op import attention_as_one_op
 from .captured import Captured, captured_scalars, check_captured, settled_after_trace
 from .comm_errors import run_program
 from .consistency import check_generators_agree, stable_repr
@@ -272,7 +273,7 @@ class ShardedFunction:
         def flat_fn(*tensors: torch.Tensor) -> list[Any]:
             it = iter(tensors)
             flat = [next(it) if l.is_tensor else l.value for l in leaves]
-            with margin_losses_as_eager():
+            with margin_losses_as_eager(), attention_as_one_op():
                 outs = fn(*pytree.tree_unflatten(flat, tree))
             out_flat, out_tree[0] = pytree.tree_flatten(outs)
             for i, o in enumerate(out_flat):
@@ -294,9 +295,8 @@ class ShardedFunction:
                             ".item()/.tolist(), every tensor it reads passed as an argument"):
             # plain make_fx first (functionalize rejects the autograd.Function fxshard.constrain uses under
             # torch.func); only a graph with in-place ops is re-traced under functionalize, where a mutated
-            # argument shows up as a final copy_ into its placeholder (rejected below). The math SDPA
-            # backend decomposes attention above autograd, so its backward is plain ATen too.
-            with sdpa_kernel([SDPBackend.MATH]), host_rngs_unchanged(f"the jitted function {self.__name__}"):
+            # argument shows up as a final copy_ into its placeholder (rejected below).
+            with host_rngs_unchanged(f"the jitted function {self.__name__}"):
                 gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=joint_decomposition_table(),
                              record_stack_traces=True)(*fakes)
             if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable

@@ -1,8 +1,11 @@
 """The collectives of the hand Megatron plan with data parallelism (dp x tp), planned on the fake process
-group with Llama built on meta (math attention: ``[B*H]`` merges around ``bmm``). Numerics of the same
+group with Llama built on meta (attention one ``fxshard::attention`` node, or under the math backend
+``[B*H]`` merges around ``bmm``). Numerics of the same
 layouts on real ranks: ``tests/test_mesh2d.py::test_llama_with_data_parallel_2x2``."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from tests.test_training import llama_megatron_plan
 BATCH, SEQ, DIM = 8, 128, 256
 
 
-def _shard_llama(fake_mesh, vocab: int, planner: str = "greedy", fsdp: bool = False):
+def _shard_llama(fake_mesh, vocab: int, planner: str = "greedy", fsdp: bool = False, math: bool = False):
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     with torch.device("meta"):
         model = models.LlamaDecoder(vocab=vocab, dim=DIM, n_heads=8, n_kv_heads=4, n_layers=1, hidden=512,
@@ -29,27 +32,34 @@ def _shard_llama(fake_mesh, vocab: int, planner: str = "greedy", fsdp: bool = Fa
         plan["tok_embeddings"] = PrepareModuleInputOutput(input_layouts=Replicate(), desired_input_layouts=Replicate(),
                                                           output_layouts=Replicate(), desired_output_layouts=Replicate())
         plan["tok_embeddings.weight"] = P("tp", "dp")
-    return fxshard.shard(model, mesh, plan, example_inputs=(tokens, tokens), in_specs=(P("dp"), P("dp")),
-                         planner=planner)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]) if math else contextlib.nullcontext():
+        return fxshard.shard(model, mesh, plan, example_inputs=(tokens, tokens), in_specs=(P("dp"), P("dp")),
+                             planner=planner)
 
 
 def _collectives(sm, label: str) -> list[dict]:
     return [c for prog in sm._programs() if prog.label == label for c in fxshard.inspect.collectives(prog)]
 
 
+@pytest.mark.parametrize("math", [False, True], ids=["attention_node", "math"])
 @pytest.mark.parametrize("planner", ["greedy", "global"])
-def test_heads_stay_split_on_tp_through_the_batch_heads_merge(fake_mesh, planner):
-    """The batch on dp and the heads on tp share the merged ``[B*H]`` dim of every attention ``bmm``
-    (plain split on dp, strided on tp): the forward all-reduces the two row-parallel outputs and the
-    vocab-parallel embedding over tp and gathers nothing (it used to all-gather q, k and v over tp)."""
-    sm = _shard_llama(fake_mesh, vocab=4096, planner=planner)
+def test_heads_stay_split_on_tp_through_the_batch_heads_merge(fake_mesh, planner, math):
+    """The batch on dp and the heads on tp: attention's node splits both (batch on dp, heads on tp); under the
+    math backend they share the merged ``[B*H]`` dim of every attention ``bmm`` (plain split on dp, strided
+    on tp). The forward all-reduces the two row-parallel outputs and the vocab-parallel embedding over tp
+    and gathers nothing (it used to all-gather q, k and v over tp)."""
+    sm = _shard_llama(fake_mesh, vocab=4096, planner=planner, math=math)
     fwd = _collectives(sm, "forward")
     assert not [c for c in fwd if c["kind"] != "all_reduce"], fwd
     activation = BATCH // 2 * SEQ * DIM * 4
     assert sorted(c["bytes"] for c in fwd if c["axis"] == "tp" and c["bytes"] >= activation) == [activation] * 3
     bmm = {n.meta[META_KEY].placements for prog in sm._programs() for n in prog.gm.graph.nodes
            if n.target is torch.ops.aten.bmm.default}
-    assert bmm == {(S(0), S(0, BATCH))}, bmm
+    attn = {n.meta[META_KEY].placements for prog in sm._programs() for n in prog.gm.graph.nodes
+            if n.target is torch.ops.fxshard.attention.default}
+    assert (bmm, attn) == (({(S(0), S(0, BATCH))}, set()) if math else (set(), {(S(0), S(1))})), (bmm, attn)
     bwd = _collectives(sm, "backward")
     assert not [c for c in bwd if c["kind"] == "all_gather" and c["axis"] == "tp"], bwd
 

@@ -107,8 +107,8 @@ class StopGrad(nn.Module):
 
 
 class LearnedMask(nn.Module):
-    """Attention with a mask computed from parameters (as Hugging Face's doge does): the export keeps
-    CPU's fused kernel, whose backward has no gradient for the mask; eager takes the math path."""
+    """Attention with a mask computed from parameters (as Hugging Face's doge does): its gradient comes from
+    fxshard::attention_backward."""
 
     def __init__(self, learned: bool = True) -> None:
         super().__init__()
@@ -647,19 +647,19 @@ def test_joint_graph_is_functional(mesh2):
 
 
 @pytest.mark.parametrize("learned", [True, False])
-def test_fused_attention_is_decomposed_only_where_its_backward_falls_short(learned):
+def test_attention_with_a_learned_mask_stays_one_node(learned):
+    """fxshard::attention_backward differentiates the mask too: a learned mask keeps attention one node
+    (CPU's fused kernel, whose backward has no mask gradient, was decomposed to the math form)."""
+    from fxshard.attention_op import ATTENTION, ATTENTION_BACKWARD
     from fxshard.passes.joint import trace_joint
     from fxshard.passes.trace import trace_forward
 
-    aten = torch.ops.aten
     traced = trace_forward(LearnedMask(learned), (torch.randn(2, 6, 16),), {})
-    ops = {n.target for n in traced.gm.graph.nodes}
-    assert aten._scaled_dot_product_flash_attention_for_cpu.default in ops  # the export keeps it either way
+    assert ATTENTION in {n.target for n in traced.gm.graph.nodes}
     joint = trace_joint(traced, traced.gm, [s.kind == "param" for s in traced.slots])
-    ops = {n.target for n in joint.gm.graph.nodes}
-    fused = {aten._scaled_dot_product_flash_attention_for_cpu.default,
-             aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
-    assert (fused <= ops) != learned, ops
+    (bwd,) = [n for n in joint.gm.graph.nodes if n.target is ATTENTION_BACKWARD]
+    assert bwd.args[-1] is learned and len(bwd.meta["val"]) == 3 + learned, bwd.args
+    assert torch.ops.aten.bmm.default not in {n.target for n in joint.gm.graph.nodes}
 
 
 def test_index_put_with_a_boolean_mask_splits_no_dim_the_mask_covers():

@@ -170,9 +170,9 @@ def test_propagate_transformer_heads_and_attention(mesh2, fused):
             by_shape.setdefault((n.target, tuple(n.meta[META_KEY].shape)), set()).add(spec(n))
     assert by_shape[(aten.view.default, (2, 16, 4, 8))] == {(S(2),)}  # heads split through the view
     assert by_shape[(aten.permute.default, (2, 4, 16, 8))] == {(S(1),)}  # ... and the transpose
-    if fused:  # CPU's fused kernel stays one op, heads split
-        (sdpa,) = ops(gm, aten._scaled_dot_product_flash_attention_for_cpu.default)
-        assert spec(sdpa) == ((S(1),), (S(1),)) and sdpa.meta[IN_KEY] == [(S(1),)] * 3
+    if fused:  # attention stays one op (fxshard::attention), heads split
+        (sdpa,) = ops(gm, torch.ops.fxshard.attention.default)
+        assert spec(sdpa) == (S(1),) and sdpa.meta[IN_KEY] == [(S(1),)] * 3
         assert not ops(gm, aten.bmm.default)
     else:
         assert by_shape[(aten.bmm.default, (8, 16, 16))] == {(S(0, 2),)}  # [B*H] merge with H split

@@ -106,7 +106,8 @@ def test_rules_are_uneven_safe_unless_they_opt_out():
     opted_out = {op for op in registered_ops() if not allows_uneven(op)}
     assert opted_out == {aten.convolution.default, aten.convolution_backward.default,
                          aten._scaled_dot_product_flash_attention_for_cpu.default,
-                         aten._scaled_dot_product_flash_attention_for_cpu_backward.default}, opted_out
+                         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                         torch.ops.fxshard.attention.default, torch.ops.fxshard.attention_backward.default}, opted_out
     assert len(registered_ops()) > 10 * len(opted_out)
 
 

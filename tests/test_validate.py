@@ -90,3 +90,19 @@ def test_cli_names_ops_and_fails_on_unknown(capsys):
     assert "2 ops" in out and "0 wrong" in out
     with pytest.raises(fxshard.ShardingError, match="not an ATen op overload"):
         validate.main(["aten.no_such_op"])
+
+
+def test_validator_covers_attention_and_catches_a_split_mask_gradient(monkeypatch, capsys):
+    """``fxshard::attention`` and its backward have samples; a learned mask broadcast over the split heads
+    has a P(sum) gradient, and claiming it split is caught."""
+    from fxshard.rules.validate_samples import SAMPLES
+
+    assert validate.main(["fxshard.attention", "fxshard.attention_backward.default"]) == 0
+    out = capsys.readouterr().out
+    assert "2 ops" in out and "0 wrong" in out and "0 without samples" in out
+    op = torch.ops.fxshard.attention_backward.default
+    good = registry.lookup(op)
+    _swap_rule(monkeypatch, op, lambda call, n: [
+        Strategy(s.inputs, tuple(S(0) if p == Part() else p for p in s.output)) for s in good(call, n)])
+    bad = [m for make in SAMPLES[op] for m in validate.check_call(op, *make(), ranks=(2, 3))[1]]
+    assert bad and all("output 3" in m.error for m in bad), bad

@@ -5,8 +5,10 @@ ensures a core-ATen graph ``(primals..., tangents...) -> (outputs..., grads...)`
 obtained by tracing the forward program together with ``torch.autograd.grad``
 under fake tensors (``make_fx``): backward ops are ordinary ATen ops, so the
 same rules shard them and the backward collectives fall out of propagation.
+Attention's backward is one ``fxshard::attention_backward`` node (the autograd of
+``fxshard::attention``, ``fxshard/attention_op.py``; a learned mask's gradient included).
 Fused kernels that have rules (``trace.FUSED_FORWARD``/``FUSED_BACKWARD``:
-attention, layer-norm and activation backwards, embedding backward) stay one
+layer-norm and activation backwards, embedding backward) stay one
 node each (``trace.joint_decomposition_table``) unless a gradient is wanted for
 an input their backward does not differentiate (``trace.FUSED_GRAD_ARGS``).
 The trace runs on functional tensors under autograd, as AOTAutograd does, so

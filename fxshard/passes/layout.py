@@ -3,9 +3,13 @@
 A traced graph encodes the layouts its values had while tracing: ``torch.export``
 drops a ``.contiguous()`` that was a no-op then, and keeps a ``view`` that was
 valid for those strides. Some fused kernels give their outputs the stride order
-of their inputs (CPU flash attention: ``out`` and the gradients follow ``q``,
-``k``, ``v``), so once a collective hands such a kernel a contiguous copy of what
-was a transposed view, a later ``view`` of its output fails.
+of their inputs (CPU flash attention, in a graph that calls that kernel itself:
+``out`` and the gradients follow ``q``, ``k``, ``v``), so once a collective hands
+such a kernel a contiguous copy of what was a transposed view, a later ``view`` of
+its output fails. The other layouts a program reads are fixed by construction:
+collectives take and give contiguous buffers (``collectives.py``), and fxshard's
+attention node (``fxshard/attention_op.py``) always returns contiguous outputs,
+whichever kernel runs it.
 
 ``pin_layouts(gm)`` requires a localized program whose nodes still carry their
 traced ``meta["val"]`` and ensures that every output of a ``LAYOUT_FOLLOWS_INPUTS``

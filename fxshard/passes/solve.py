@@ -45,6 +45,7 @@ from ..errors import ShardingError
 from ..placements import Part, Pl, R, S
 from ..registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, replicate_all,
                         strategy_specs, strategy_valid, tensor_inputs, tensor_output_leaves)
+from ..rules.attention import WORK as ATTENTION_WORK, flops as attention_flops
 from ..rules.matmul import ADD_EINSUMS, EINSUMS
 from ..spec import META_KEY, Spec
 from ..ir import FALLBACK_KEY, IN_KEY, STRATEGY_KEY
@@ -289,7 +290,10 @@ def _constrain_choices(node: fx.Node, problem: Problem, ctx: ShardContext, a: in
 
 def _flops(node: fx.Node) -> float:
     """Floating-point work of a contraction on global shapes (2 x the product of its einsum's index
-    sizes); 0 for other ops, whose work is small next to the bytes a plan would move to split it."""
+    sizes) or of attention (``rules/attention.py::flops``); 0 for other ops, whose work is small next to
+    the bytes a plan would move to split it."""
+    if node.target in ATTENTION_WORK:
+        return attention_flops(node)
     eq = EINSUMS.get(node.target) or ADD_EINSUMS.get(node.target)
     if eq is None:
         return 0.0

@@ -10,7 +10,9 @@ carries ``meta["val"]`` (a fake tensor with global, possibly symbolic, shape).
 Partial reductions, while the fused kernels in ``FUSED_FORWARD`` stay fused and the ops in
 ``EAGER_DERIVATIVE`` whole (the joint trace's autograd then applies eager's derivative to them);
 shape assertions and no-op clones are dropped (the former refer to global sizes). Ops torch decomposes
-above autograd into a wrong program (``_ABOVE_AUTOGRAD``: the margin losses) are replaced first.
+above autograd into a wrong program (``_ABOVE_AUTOGRAD``: the margin losses) are replaced first, and
+attention becomes one device-neutral ``fxshard::attention`` node (``fxshard/attention_op.py::route_exported``;
+with dropout, or under ``sdpa_kernel(SDPBackend.MATH)``, torch's math form, decomposed).
 Export's graph is decomposed by re-tracing it with ``make_fx`` over functional
 fake tensors (``_decomposed``: what ``run_decompositions`` gives, at half its
 cost); buffers the forward updates in place are its first outputs.
@@ -51,6 +53,7 @@ from torch.nn import _reduction as _Reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..attention_op import route_exported
 from ..constrain import constraint_scope, record
 from ..cumulative_bn import cumulative_batch_norm_traceable
 from ..custom_grads import custom_gradients_checked
@@ -106,7 +109,9 @@ DROP = {
 
 
 # Fused CPU kernels kept out of the decompositions: each has a sharding rule (fxshard/rules/), and
-# decomposing them costs ~25% of a training step in small ops (benchmarks/profile_step.py).
+# decomposing them costs ~25% of a training step in small ops (benchmarks/profile_step.py). fxshard's traces
+# route F.scaled_dot_product_attention to fxshard::attention (fxshard/attention_op.py) before any decomposition,
+# so CPU's attention kernel appears only in a graph that calls it directly.
 FUSED_FORWARD = (
     aten._scaled_dot_product_flash_attention_for_cpu.default,  # rules/attention.py
 )
@@ -872,6 +877,7 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
         state.check_constants(ep.constants)
         _mark_stop_gradients(ep.graph_module)
         _replace_above_autograd(ep.graph_module)
+        route_exported(ep.graph_module)  # attention: one device-neutral node (fxshard/attention_op.py)
         gm, mutated = _decomposed(ep.graph_module, decomposition_table(lambda t: _STOP(t)))
     return ep, gm, mutated
 

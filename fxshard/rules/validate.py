@@ -561,15 +561,20 @@ def validate(ops: Iterable[Any], ranks: Sequence[int] = (2,), per_op: int = 3) -
 
 
 def _resolve(name: str) -> Any:
-    """``aten.add.Tensor``, ``add.Tensor`` or ``add`` (the default overload) -> OpOverload."""
+    """``aten.add.Tensor``, ``add.Tensor`` or ``add`` (the default overload) -> OpOverload; another namespace
+    is named first (``fxshard.attention``)."""
     from ..errors import ShardingError
 
     parts = name.split(".")
-    if parts[0] == "aten":
+    space = aten
+    if parts[0] != "aten" and len(parts) > 1 and parts[0] in ("fxshard",):
+        space = getattr(torch.ops, parts[0])
+        parts = parts[1:]
+    elif parts[0] == "aten":
         parts = parts[1:]
     base, ov = parts[0], (parts[1] if len(parts) > 1 else "default")
     try:
-        return getattr(getattr(aten, base), ov)
+        return getattr(getattr(space, base), ov)
     except AttributeError:
         raise ShardingError(f"validate: {name!r} is not an ATen op overload; write e.g. aten.add.Tensor") from None
 

@@ -55,6 +55,24 @@ def _sdpa_backward(mask: bool) -> Make:
     return make
 
 
+def _attention(mask: str = "", gqa: bool = False, causal: bool = False) -> tuple[tuple, dict]:
+    """``fxshard::attention``'s arguments: q ``[2, 6, 8, 4]``; k, v with 3 heads under ``gqa``; ``mask`` one of
+    "" (none), "bool" ``[8, 8]``, "batch" ``[2, 1, 8, 8]`` (broadcast over heads), "heads" ``[6, 8, 8]``."""
+    q = rnd(2, 6, 8, 4, seed=40)
+    k, v = (rnd(2, 3 if gqa else 6, 8, 4, seed=s) for s in (41, 42))
+    m = {"": None, "bool": rnd(8, 8, seed=43) > -0.5, "batch": rnd(2, 1, 8, 8, seed=44),
+         "heads": rnd(6, 8, 8, seed=45)}[mask]
+    return (q, k, v, m, causal, 0.3 if causal else None, gqa), {}
+
+
+def _attention_backward(mask: str = "", gqa: bool = False, causal: bool = False) -> Make:
+    def make() -> tuple[tuple, dict]:
+        args, _ = _attention(mask, gqa, causal)
+        learned = mask in ("batch", "heads")
+        return ((rnd(2, 6, 8, 4, seed=46), *args, learned), {})
+    return make
+
+
 def _layer_norm_backward(mask: list[bool], affine: bool = True) -> Make:
     def make() -> tuple[tuple, dict]:
         x, g = rnd(4, 6, 8, seed=11), rnd(4, 6, 8, seed=12)
@@ -112,6 +130,11 @@ SAMPLES: dict[Any, list[Make]] = {
     aten._native_batch_norm_legit_functional.default: [_batch_norm(True), _batch_norm(False)],
     aten._scaled_dot_product_flash_attention_for_cpu.default: [_sdpa(False), _sdpa(True)],
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: [_sdpa_backward(False), _sdpa_backward(True)],
+    torch.ops.fxshard.attention.default: [lambda: _attention(causal=True), lambda: _attention("bool"),
+                                          lambda: _attention("batch", gqa=True), lambda: _attention("heads")],
+    torch.ops.fxshard.attention_backward.default: [_attention_backward(causal=True), _attention_backward("bool"),
+                                                   _attention_backward("batch", gqa=True),
+                                                   _attention_backward("heads")],
     aten._to_copy.default: [lambda: ((_x(),), {"dtype": torch.float64}),
                             lambda: ((torch.randint(-3, 4, (6, 5), generator=_g(25)),), {"dtype": torch.float32}),
                             lambda: ((_x(),), {"dtype": torch.int64}),
