@@ -119,6 +119,31 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
+
+def _autocast_kernel(device_type: str) -> Any:
+    """``fxshard::attention``'s kernel under ``torch.autocast(device_type)``: autocast's policy for
+    ``scaled_dot_product_attention`` (a lower-precision op): every floating input but float64 is cast to the
+    autocast dtype, then the op runs with autocast off. Without it a traced autocast forward would hand the
+    op its inputs uncast (e.g. rotary-embedded q/k in float32 beside a bfloat16 v), unlike eager."""
+
+    def kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+               is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+            return t.to(dtype) if eligible else t
+
+        with torch.autocast(device_type, enabled=False):
+            return ATTENTION(cast(query), cast(key), cast(value), cast(attn_mask), is_causal, scale, enable_gqa)
+
+    return kernel
+
+
+_AUTOCAST = torch.library.Library("fxshard", "IMPL")
+for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
+    _AUTOCAST.impl("attention", _autocast_kernel(_device_type), _key)
+
 ATTENTION = torch.ops.fxshard.attention.default
 ATTENTION_BACKWARD = torch.ops.fxshard.attention_backward.default
 _MATH = aten._scaled_dot_product_attention_math.default
