@@ -92,9 +92,9 @@ def plan_command(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fxshard
+    from fxshard.torch_compat import FakeStore
 
     axes = parse_mesh(args.mesh)
     build = _load(args.model, "MODEL")

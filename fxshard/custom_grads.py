@@ -28,10 +28,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils.checkpoint
-from torch.nn.modules._functions import BackwardHookFunction
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
+from .torch_compat import CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, BackwardHookFunction
 
 __all__ = ["custom_gradients_checked", "allow_autograd_function"]
 
@@ -40,7 +40,7 @@ _FIX = ("fxshard derives the backward from the traced forward ops. Give the op i
         "torch.export; fxshard runs such an op replicated)")
 
 # the autograd.Function a custom op's register_autograd generates: the op stays one node in the export
-_CUSTOM_OP_AUTOGRAD = "torch._library."
+_CUSTOM_OP_AUTOGRAD = CUSTOM_OP_AUTOGRAD_MODULE_PREFIX
 # Functions whose backward is the derivative of their forward, by qualified name. PhimoeMultiplier: the
 # backward is the softmax Jacobian-vector product of the gathered gate (checked against autodiff in
 # tests/test_custom_gradients.py)

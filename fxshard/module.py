@@ -37,6 +37,7 @@ from .placements import Pl, R, S
 from .replicas import as_words, check_pieces_differ, check_replicas, communicates, from_source, holds_sentinel
 from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
+from .torch_compat import peek_interpreter_stack
 
 __all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training"]
 
@@ -1076,7 +1077,7 @@ class ShardedModule(_StandIn):
         forward computes with the sharded parameters' current values."""
         check_no_autocast(f"{self._where} was called", self._mesh.device_type)
         # under TorchDynamo the stack is a traced value, never None: a transform around a compiled module is not seen
-        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        if not torch.compiler.is_compiling() and peek_interpreter_stack() is not None:
             raise ShardingError(
                 f"{self._where} was called under a torch.func transform (grad, vmap, jacrev, ...): it runs its "
                 f"sharded programs as one autograd step that such transforms cannot see into, so they would fail "
@@ -1114,7 +1115,7 @@ class ShardedModule(_StandIn):
         Requires ``torch.compile``'s keyword arguments; unlike ``torch.compile``, ``mode`` and ``options``
         may both be given. Ensures: when the backend is inductor (``backend`` given as ``"inductor"``, or
         left out or ``None`` with inductor as dynamo's default backend), the options inductor gets are
-        those of ``mode`` (``torch._inductor.list_mode_options``), then ``fxshard.compile.INDUCTOR_OPTIONS``,
+        those of ``mode`` (inductor's ``list_mode_options``), then ``fxshard.compile.INDUCTOR_OPTIONS``,
         then the caller's ``options`` (which win); other backends get the arguments unchanged.
         (``torch.compile(sm)`` itself cannot be intercepted: pass
         ``options=dict(fxshard.compile.INDUCTOR_OPTIONS)`` there.)"""
@@ -1122,14 +1123,14 @@ class ShardedModule(_StandIn):
 
         backend = kwargs.get("backend")
         if backend is None:
-            from torch._dynamo.backends.registry import get_default_backend
+            from .torch_compat import get_default_backend
 
             backend = get_default_backend()
         if backend == "inductor":
             mode = kwargs.pop("mode", None)  # torch.compile takes a mode or options, not both
             by_mode = {}
             if mode is not None:
-                from torch._inductor import list_mode_options
+                from .torch_compat import list_mode_options
 
                 by_mode = list_mode_options(mode, kwargs.get("dynamic"))
             kwargs["options"] = {**by_mode, **INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}
