@@ -84,10 +84,10 @@ def _optimization_hint_fallback(a: torch.SymInt | int, fallback: int | None = No
     """``optimization_hint`` for torch versions without it (2.11): a concrete value of ``a`` for cost
     and layout decisions, adding no guard.
 
-    Requires: ``a`` an int or a SymInt of a ShapeEnv; ``fallback`` given when ``a`` may hold unbacked
-    symbols. Ensures: what torch 2.13's ``optimization_hint`` returns for hinted sizes and for
-    expressions whose unbacked symbols (each at ``fallback``, clamped to its value range) it does not
-    factor further; backed symbols take their recorded values."""
+    Requires: ``a`` an int or a SymInt of a ShapeEnv. Ensures: what torch 2.13's ``optimization_hint``
+    returns for hinted sizes and for expressions it does not factor further: backed symbols at their
+    recorded values, unbacked ones at ``fallback`` (inductor's ``unbacked_symint_fallback`` when None)
+    clamped to their value range."""
     if isinstance(a, torch.SymInt):
         node = a.node
         if node._hint is not None:
@@ -100,8 +100,8 @@ def _optimization_hint_fallback(a: torch.SymInt | int, fallback: int | None = No
             if s in backed:
                 values[s] = backed[s]
                 continue
-            if fallback is None:
-                raise ValueError(f"optimization_hint: {expr} has the unbacked symbol {s} and no fallback was given")
+            if fallback is None:  # as 2.13: inductor's default guess for unbacked sizes
+                from torch._inductor.config import unbacked_symint_fallback as fallback
             v = fallback
             vr = env.var_to_range.get(s)
             if vr is not None:
