@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
-from .torch_compat import CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, BackwardHookFunction
+from .torch_compat import CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, BackwardHookFunction, classmethod_function
 
 __all__ = ["custom_gradients_checked", "allow_autograd_function"]
 
@@ -108,7 +108,7 @@ def custom_gradients_checked(model: torch.nn.Module) -> Iterator[None]:
     _refuse_backward_hooks(model)
     function_apply = torch.autograd.Function.__dict__["apply"]
     register_hook = torch.Tensor.register_hook
-    apply = function_apply.__func__
+    apply = classmethod_function(function_apply)
 
     def checked_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if cls is torch.utils.checkpoint.CheckpointFunction:

@@ -37,7 +37,7 @@ from .placements import Pl, R, S
 from .replicas import as_words, check_pieces_differ, check_replicas, communicates, from_source, holds_sentinel
 from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
-from .torch_compat import peek_interpreter_stack
+from .torch_compat import dynamo_safe_function_outputs, peek_interpreter_stack
 
 __all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training"]
 
@@ -113,9 +113,10 @@ class _RunSharded(torch.autograd.Function):
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         diff = set(training.diff_out if training.grad_out is None else training.grad_out)
-        kept = {id(_root(o)) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)}
+        # compared with ``is``, not through id(): TorchDynamo before torch 2.13 cannot trace id() of these
+        kept = [_root(o) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)]
         for i, o in enumerate(outs):  # a .detach()-ed copy of an output (or a view of it) shares its storage
-            if isinstance(o, torch.Tensor) and i not in diff and id(_root(o)) in kept:
+            if isinstance(o, torch.Tensor) and i not in diff and any(_root(o) is k for k in kept):
                 outs[i] = o.detach()
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in diff])
         ctx.set_materialize_grads(False)  # None: an output the loss does not use (see backward)
@@ -130,7 +131,7 @@ class _RunSharded(torch.autograd.Function):
                 if group.slot < training.n_out:
                     outs[group.slot] = root
             outs += [root for group, root in groups if group.slot >= training.n_out]
-        return tuple(outs)
+        return tuple(dynamo_safe_function_outputs(outs, diff))
 
     @staticmethod
     def backward(ctx, *grad_outs: Any) -> Any:  # type: ignore[override]

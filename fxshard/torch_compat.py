@@ -174,6 +174,35 @@ def register_dynamo_backend(fn: Callable[..., Any], name: str) -> None:
         registry.register_backend(fn, name=name)
 
 
+def classmethod_function(descriptor: Any) -> Callable[..., Any]:
+    """The function ``f(cls, *args, **kwargs)`` behind a classmethod taken from a class ``__dict__``, such as
+    ``torch.autograd.Function.__dict__["apply"]``: a Python ``classmethod`` up to torch 2.13, a C
+    ``classmethod_descriptor`` (no ``__func__``) from 2.14.
+
+    Ensures: calling the result with a class ``cls`` calls the classmethod bound to ``cls``."""
+    func = getattr(descriptor, "__func__", None)
+    if func is not None:
+        return func
+    return lambda cls, *args, **kwargs: descriptor.__get__(None, cls)(*args, **kwargs)
+
+
+# torch 2.11's TorchDynamo (fixed by 2.13) gives zero gradients to an autograd.Function output that is
+# directly the result of a functional collective's wait_tensor under backend="eager" (aot_eager and
+# inductor are right); any op after the wait avoids it
+_DYNAMO_ZEROES_WAITED_FUNCTION_OUTPUTS = torch.__version__ < "2.13"
+
+
+def dynamo_safe_function_outputs(outs: list, diff: Any) -> list:
+    """The outputs an autograd.Function's forward returns, safe from torch 2.11's TorchDynamo bug above.
+
+    Requires: ``outs`` the forward's outputs, ``diff`` the indices of those that are differentiable.
+    Ensures: ``outs`` itself except under ``torch.compile`` on torch < 2.13, where each differentiable
+    tensor output is replaced by its ``detach()`` (the same storage and values; no copy)."""
+    if not (_DYNAMO_ZEROES_WAITED_FUNCTION_OUTPUTS and torch.compiler.is_compiling()):
+        return outs
+    return [o.detach() if i in diff and isinstance(o, torch.Tensor) else o for i, o in enumerate(outs)]
+
+
 def set_rng_seed(seed: int) -> None:
     """Seed torch, Python's ``random`` and numpy (``torch.testing._internal.common_utils.set_rng_seed``)."""
     from torch.testing._internal.common_utils import set_rng_seed as seed_all
@@ -201,8 +230,8 @@ __all__ = [
     "BackwardHookFunction", "CUSTOM_OP_AUTOGRAD_MODULE_PREFIX", "DYNAMO_INLINE_NN_MODULES_FLAG",
     "ELEMENTWISE_TYPE_PROMOTION_KIND", "FakeStore", "FakeTensor", "FakeTensorMode", "FunctionalTensorMode",
     "LazyGraphModule", "OpOverload", "OpOverloadPacket", "ShapeEnv", "StridedShard", "TorchDispatchMode",
-    "canonicalize_dim", "compute_local_shape_and_global_offset", "core_aten_decompositions_post_autograd",
-    "decomposition_table", "disabled_torch_function_impl", "elementwise_dtypes", "enable_python_dispatcher",
+    "canonicalize_dim", "classmethod_function", "compute_local_shape_and_global_offset", "core_aten_decompositions_post_autograd",
+    "decomposition_table", "disabled_torch_function_impl", "dynamo_safe_function_outputs", "elementwise_dtypes", "enable_python_dispatcher",
     "extract_tensor_metadata", "free_unbacked_symbols", "from_fun", "get_default_backend", "get_graph_module_cls",
     "get_proxy_mode", "get_proxy_slot", "guard_or_false", "guards_tracing", "has_data_mutation",
     "has_metadata_mutation", "is_non_overlapping_and_dense_or_false", "list_mode_options", "make_fx",
