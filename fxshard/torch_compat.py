@@ -26,9 +26,21 @@ _softmax_unbacked_safe_amax``)                                      appended alo
 get_default_backend``)                                              existed)
 =====================================  ===========================  =======================================
 
+Behaviour that differs inside the window, with the helper that gives every version the same result:
+
+* ``classmethod_function``: ``torch.autograd.Function.__dict__["apply"]`` is a Python ``classmethod``
+  up to 2.13 and a C ``classmethod_descriptor`` without ``__func__`` from 2.14.
+* ``dynamo_safe_function_outputs``: on 2.11 TorchDynamo's ``backend="eager"`` gives zero gradients to an
+  autograd.Function output that is directly a functional collective's ``wait_tensor`` (fixed by 2.13);
+  under compile on torch < 2.13 the outputs go through ``detach()``.
+* On 2.11 TorchDynamo cannot trace ``id()`` of a tensor made inside an autograd.Function forward: code
+  that runs under ``torch.compile`` compares tensors with ``is`` instead.
+
 A fallback is chosen by whether torch has the name, never by the version number (2.12 was not tried;
-it gets whichever it needs). ``tests/test_torch_compat.py`` hides each new name and checks the fallback
-against the real one, and that ``import fxshard`` and a small shard still work with them hidden.
+it gets whichever it needs); the one switch by version number is ``dynamo_safe_function_outputs``.
+``tests/test_torch_compat.py`` hides each new name and checks the fallback against the real one, and
+that ``import fxshard`` and a small shard still work with them hidden; ``scripts/check_torch_window.sh``
+runs the core of the suite on another torch.
 
 Dynamo, inductor and ``torch.testing._internal`` are heavy and ``import fxshard`` must not import them:
 their names here are functions that import on call, or attributes resolved on first access (module

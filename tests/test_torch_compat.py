@@ -88,6 +88,37 @@ def test_default_backend_fallback(monkeypatch):
     assert tc.get_default_backend() == "inductor"
 
 
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return 3 * g  # not the derivative: shows that this backward ran
+
+
+def test_classmethod_function_calls_autograd_function_apply():
+    """The function behind ``Function.apply`` (a C descriptor from torch 2.14) and behind a Python classmethod."""
+    x = torch.ones(2, requires_grad=True)
+    apply = tc.classmethod_function(torch.autograd.Function.__dict__["apply"])
+    y = apply(_Double, x)
+    y.sum().backward()
+    assert torch.equal(y, 2 * torch.ones(2)) and torch.equal(x.grad, 3 * torch.ones(2))
+
+    class Named:
+        @classmethod
+        def name(cls, suffix: str) -> str:
+            return cls.__name__ + suffix
+
+    assert tc.classmethod_function(Named.__dict__["name"])(_Double, "!") == "_Double!"
+
+
+def test_dynamo_safe_function_outputs_is_identity_in_eager():
+    outs = [torch.ones(2), None, 3]
+    assert tc.dynamo_safe_function_outputs(outs, {0, 1}) is outs
+
+
 def test_only_the_compat_module_imports_torch_internals():
     """No module but fxshard/torch_compat.py imports or names ``torch._*`` internals."""
     pattern = re.compile(r"^\s*(from|import) torch\._|torch\._(decomp|dynamo|inductor|functorch|subclasses|guards|"
