@@ -31,7 +31,8 @@ import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
-from .torch_compat import CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, BackwardHookFunction, classmethod_function
+from .torch_compat import (CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, TORCH_DERIVATIVE_BACKWARDS, BackwardHookFunction,
+                           classmethod_function)
 
 __all__ = ["custom_gradients_checked", "allow_autograd_function"]
 
@@ -44,7 +45,7 @@ _CUSTOM_OP_AUTOGRAD = CUSTOM_OP_AUTOGRAD_MODULE_PREFIX
 # Functions whose backward is the derivative of their forward, by qualified name. PhimoeMultiplier: the
 # backward is the softmax Jacobian-vector product of the gathered gate (checked against autodiff in
 # tests/test_custom_gradients.py)
-_DERIVATIVE_BACKWARDS = {"transformers.models.phimoe.modeling_phimoe.PhimoeMultiplier"}
+_DERIVATIVE_BACKWARDS = {"transformers.models.phimoe.modeling_phimoe.PhimoeMultiplier", *TORCH_DERIVATIVE_BACKWARDS}
 
 
 def _qualified(cls: type) -> str:

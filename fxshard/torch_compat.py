@@ -56,8 +56,8 @@ import sympy
 import torch
 from torch._C import _disabled_torch_function_impl as disabled_torch_function_impl  # noqa: F401
 from torch._C._functorch import peek_interpreter_stack  # noqa: F401
-from torch._decomp import _core_aten_decompositions_post_autograd as core_aten_decompositions_post_autograd  # noqa: F401
-from torch._decomp import decomposition_table  # noqa: F401
+from torch._decomp import (  # noqa: F401
+    _core_aten_decompositions_post_autograd as core_aten_decompositions_post_autograd, decomposition_table)
 from torch._decomp import decompositions as _decompositions
 from torch._dispatch.python import enable_python_dispatcher  # noqa: F401
 from torch._functorch._aot_autograd.functional_utils import (  # noqa: F401
@@ -85,6 +85,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 # The module every autograd.Function that a custom op's ``register_autograd`` generates lives under
 # (``torch._library.autograd`` on every version of the window): such an op stays one node in an export.
 CUSTOM_OP_AUTOGRAD_MODULE_PREFIX = "torch._library."
+# autograd.Functions of torch that a traced forward may apply and whose backward is the derivative of their
+# forward: non-reentrant checkpointing up to torch 2.12 saves its inputs through _NoopSaveInputs, whose
+# output is an empty dummy tensor (no gradient flows through it); 2.13 saves them without a Function
+TORCH_DERIVATIVE_BACKWARDS = frozenset({"torch.utils.checkpoint._NoopSaveInputs"})
 # Dynamo's config flag that makes a captured graph take parameters as inputs (named in messages).
 DYNAMO_INLINE_NN_MODULES_FLAG = "torch._dynamo.config.inline_inbuilt_nn_modules"
 
@@ -239,15 +243,16 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BackwardHookFunction", "CUSTOM_OP_AUTOGRAD_MODULE_PREFIX", "DYNAMO_INLINE_NN_MODULES_FLAG",
-    "ELEMENTWISE_TYPE_PROMOTION_KIND", "FakeStore", "FakeTensor", "FakeTensorMode", "FunctionalTensorMode",
-    "LazyGraphModule", "OpOverload", "OpOverloadPacket", "ShapeEnv", "StridedShard", "TorchDispatchMode",
-    "canonicalize_dim", "classmethod_function", "compute_local_shape_and_global_offset", "core_aten_decompositions_post_autograd",
-    "decomposition_table", "disabled_torch_function_impl", "dynamo_safe_function_outputs", "elementwise_dtypes", "enable_python_dispatcher",
-    "extract_tensor_metadata", "free_unbacked_symbols", "from_fun", "get_default_backend", "get_graph_module_cls",
-    "get_proxy_mode", "get_proxy_slot", "guard_or_false", "guards_tracing", "has_data_mutation",
-    "has_metadata_mutation", "is_non_overlapping_and_dense_or_false", "list_mode_options", "make_fx",
-    "make_graph_module", "nn_reduction", "op_db", "optimization_hint", "peek_interpreter_stack",
-    "register_dynamo_backend", "resolve_process_group", "set_rng_seed", "softmax_unbacked_safe_amax", "to_fun",
+    "BackwardHookFunction", "canonicalize_dim", "classmethod_function", "compute_local_shape_and_global_offset",
+    "core_aten_decompositions_post_autograd", "CUSTOM_OP_AUTOGRAD_MODULE_PREFIX", "decomposition_table",
+    "disabled_torch_function_impl", "DYNAMO_INLINE_NN_MODULES_FLAG", "dynamo_safe_function_outputs",
+    "elementwise_dtypes", "ELEMENTWISE_TYPE_PROMOTION_KIND", "enable_python_dispatcher",
+    "extract_tensor_metadata", "FakeStore", "FakeTensor", "FakeTensorMode", "free_unbacked_symbols", "from_fun",
+    "FunctionalTensorMode", "get_default_backend", "get_graph_module_cls", "get_proxy_mode", "get_proxy_slot",
+    "guard_or_false", "guards_tracing", "has_data_mutation", "has_metadata_mutation",
+    "is_non_overlapping_and_dense_or_false", "LazyGraphModule", "list_mode_options", "make_fx",
+    "make_graph_module", "nn_reduction", "op_db", "OpOverload", "OpOverloadPacket", "optimization_hint",
+    "peek_interpreter_stack", "register_dynamo_backend", "resolve_process_group", "set_rng_seed", "ShapeEnv",
+    "softmax_unbacked_safe_amax", "StridedShard", "to_fun", "TORCH_DERIVATIVE_BACKWARDS", "TorchDispatchMode",
     "use_lazy_graph_module",
 ]

@@ -198,7 +198,8 @@ ref_loss.backward()
 grads = dict(sm.named_parameters())
 grad_err = max((grads[n].grad - p.grad).abs().max().item() for n, p in ref.named_parameters())
 dist.destroy_process_group()
-print(json.dumps({"hidden": hidden, "fallbacks": fallbacks, "bound": bound, "calls": calls, "codes": codes, "stats": stats,
+print(json.dumps({"hidden": hidden, "fallbacks": fallbacks, "bound": bound, "calls": calls, "codes": codes,
+                  "stats": stats,
                   "loss_err": abs(loss.item() - ref_loss.item()), "grad_err": grad_err,
                   "grad_norm": sum(p.grad.norm().item() for p in ref.parameters())}))
 """
