@@ -10,7 +10,7 @@ py="${1:?usage: scripts/check_torch_window.sh PYTHON [test files...]}"
 shift
 files=("$@")
 if [ "${#files[@]}" -eq 0 ]; then
-  files=(tests/test_torch_compat.py tests/test_rules.py tests/test_passes.py tests/test_training.py
+  files=(tests/test_torch_compat.py tests/test_rules.py tests/test_passes.py tests/test_custom_gradients.py tests/test_training.py
          tests/test_forward_parity.py tests/test_hf_plans.py tests/test_compile.py)
 fi
 "$py" -c "import torch, fxshard; print('torch', torch.__version__, '| fxshard from', fxshard.__file__)" || exit 1
