@@ -86,8 +86,8 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 # (``torch._library.autograd`` on every version of the window): such an op stays one node in an export.
 CUSTOM_OP_AUTOGRAD_MODULE_PREFIX = "torch._library."
 # autograd.Functions of torch that a traced forward may apply and whose backward is the derivative of their
-# forward: non-reentrant checkpointing up to torch 2.12 saves its inputs through _NoopSaveInputs, whose
-# output is an empty dummy tensor (no gradient flows through it); 2.13 saves them without a Function
+# forward: non-reentrant checkpointing on torch 2.11 saves its inputs through _NoopSaveInputs, whose
+# output is an empty dummy tensor (no gradient flows through it); 2.13 and 2.14 save them without a Function
 TORCH_DERIVATIVE_BACKWARDS = frozenset({"torch.utils.checkpoint._NoopSaveInputs"})
 # Dynamo's config flag that makes a captured graph take parameters as inputs (named in messages).
 DYNAMO_INLINE_NN_MODULES_FLAG = "torch._dynamo.config.inline_inbuilt_nn_modules"
