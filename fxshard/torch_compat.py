@@ -78,6 +78,7 @@ from torch.fx.experimental import symbolic_shapes as _symbolic_shapes
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot, make_fx  # noqa: F401
 from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols, guard_or_false  # noqa: F401
 from torch.fx.passes.shape_prop import _extract_tensor_metadata as extract_tensor_metadata  # noqa: F401
+from torch.fx.proxy import _COPY_META_FIELDS as COPY_META_FIELDS  # noqa: F401
 from torch.nn import _reduction as nn_reduction  # noqa: F401
 from torch.nn.modules._functions import BackwardHookFunction  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
@@ -219,6 +220,13 @@ def dynamo_safe_function_outputs(outs: list, diff: Any) -> list:
     return [o.detach() if i in diff and isinstance(o, torch.Tensor) else o for i, o in enumerate(outs)]
 
 
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends (the autograd engine's ``queue_callback``).
+
+    Requires: a backward pass is running (call from a hook)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def set_rng_seed(seed: int) -> None:
     """Seed torch, Python's ``random`` and numpy (``torch.testing._internal.common_utils.set_rng_seed``)."""
     from torch.testing._internal.common_utils import set_rng_seed as seed_all
@@ -244,7 +252,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BackwardHookFunction", "canonicalize_dim", "classmethod_function", "compute_local_shape_and_global_offset",
-    "core_aten_decompositions_post_autograd", "CUSTOM_OP_AUTOGRAD_MODULE_PREFIX", "decomposition_table",
+    "core_aten_decompositions_post_autograd", "COPY_META_FIELDS", "CUSTOM_OP_AUTOGRAD_MODULE_PREFIX", "decomposition_table",
     "disabled_torch_function_impl", "DYNAMO_INLINE_NN_MODULES_FLAG", "dynamo_safe_function_outputs",
     "elementwise_dtypes", "ELEMENTWISE_TYPE_PROMOTION_KIND", "enable_python_dispatcher",
     "extract_tensor_metadata", "FakeStore", "FakeTensor", "FakeTensorMode", "free_unbacked_symbols", "from_fun",
@@ -252,7 +260,7 @@ __all__ = [
     "guard_or_false", "guards_tracing", "has_data_mutation", "has_metadata_mutation",
     "is_non_overlapping_and_dense_or_false", "LazyGraphModule", "list_mode_options", "make_fx",
     "make_graph_module", "nn_reduction", "op_db", "OpOverload", "OpOverloadPacket", "optimization_hint",
-    "peek_interpreter_stack", "register_dynamo_backend", "resolve_process_group", "set_rng_seed", "ShapeEnv",
+    "peek_interpreter_stack", "queue_autograd_callback", "register_dynamo_backend", "resolve_process_group", "set_rng_seed", "ShapeEnv",
     "softmax_unbacked_safe_amax", "StridedShard", "to_fun", "TORCH_DERIVATIVE_BACKWARDS", "TorchDispatchMode",
     "use_lazy_graph_module",
 ]

@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from .constrain import CONSTRAIN_OP, constraint_kind
 from .fake_trace import fake_like, functional_make_fx
 from .ir import STOP_KEY
-from .torch_compat import FakeTensorMode, OpOverload, ShapeEnv, from_fun, to_fun
+from .torch_compat import COPY_META_FIELDS, FakeTensorMode, OpOverload, ShapeEnv, from_fun, to_fun
 from .torch_compat import extract_tensor_metadata as _extract_tensor_metadata, make_graph_module as _make_graph_module
 
 __all__ = ["joint_by_op", "forward_by_op", "by_op_enabled"]
@@ -59,7 +59,7 @@ __all__ = ["joint_by_op", "forward_by_op", "by_op_enabled"]
 _log = logging.getLogger(__name__)  # why a graph was traced whole (DEBUG)
 _FOREIGN = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "higher_order")
 # meta that make_fx copies from the node being run (``preserve_node_meta``): where a copy came from
-_PROVENANCE = ("stack_trace", *torch.fx.proxy._COPY_META_FIELDS)
+_PROVENANCE = ("stack_trace", *COPY_META_FIELDS)
 
 
 def by_op_enabled() -> bool:
