@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 from torch.utils import _pytree as pytree
 
 from .auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
@@ -48,6 +47,7 @@ from .plan import resolve_boundaries, resolve_plan
 from .sources import Layout, is_blank, remember, settle, shard_tracing, shared_local
 from .spec import local_shape
 from .symbolic import sym_shape
+from .torch_compat import LazyGraphModule as _LazyGraphModule, use_lazy_graph_module as _use_lazy_graph_module
 
 __all__ = ["shard"]
 

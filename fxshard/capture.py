@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import ShardingError
+from .torch_compat import DYNAMO_INLINE_NN_MODULES_FLAG
 
 __all__ = ["Captured", "View"]
 
@@ -90,7 +91,7 @@ class Captured:
                for n in gm.graph.nodes):
             raise ShardingError(
                 "fxshard.backend: the captured graph reads parameters as attributes (get_attr); keep "
-                "torch._dynamo.config.inline_inbuilt_nn_modules=True (the default) so they arrive as graph inputs"
+                f"{DYNAMO_INLINE_NN_MODULES_FLAG}=True (the default) so they arrive as graph inputs"
             )
         self.kinds: list[tuple[str, Any]] = []
         self.inputs: list[torch.Tensor] = []

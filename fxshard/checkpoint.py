@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .placements import Pl, S, from_torch, to_torch
 from .spec import chunk, chunk_index, shard_factor
+from .torch_compat import StridedShard as _StridedShard, compute_local_shape_and_global_offset
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is not needed to shard a model
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex

@@ -130,9 +130,9 @@ def plan_command(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import fxshard
+    from fxshard.torch_compat import FakeStore
 
     axes = parse_mesh(args.mesh)
     bandwidth = args.bandwidth and _per_axis(args.bandwidth, "--bandwidth", "bytes_per_s", "dp=25e9,tp=300e9", _number)

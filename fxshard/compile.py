@@ -60,6 +60,7 @@ from .errors import ShardingError
 from .mesh import MeshInfo
 from .module import ShardedModule
 from .placements import to_torch
+from .torch_compat import guards_tracing, register_dynamo_backend
 
 __all__ = ["backend", "backend_options", "FxshardBackend", "overlap", "overlap_report", "reorder_for_overlap",
            "INDUCTOR_OPTIONS"]
@@ -200,7 +201,7 @@ class FxshardBackend:
 def _outside_dynamo() -> Iterator[None]:
     """Trace as if no compilation were under way: dynamo's tracing context (its fake mode and shape
     environment) would otherwise leak into fxshard's own tracing and make static sizes symbolic."""
-    with torch._guards.tracing(None):
+    with guards_tracing(None):
         yield
 
 
@@ -302,10 +303,7 @@ def _named_backend(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> C
 def _register() -> None:
     """Make ``backend="fxshard"`` resolve without an installed entry point (the package also declares
     one, ``torch_dynamo_backends``). Done on first use so ``import fxshard`` does not import Dynamo."""
-    from torch._dynamo.backends import registry
-
-    if "fxshard" not in registry._COMPILER_FNS:
-        registry.register_backend(_named_backend, name="fxshard")
+    register_dynamo_backend(_named_backend, "fxshard")
 
 
 # ---------------------------------------------------------------------------------------------------

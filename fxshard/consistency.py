@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .comm_errors import guard_collective
 from .errors import ShardingError
 from .ir import is_random
+from .torch_compat import resolve_process_group as _resolve_process_group
 
 if TYPE_CHECKING:
     from .mesh import MeshInfo

@@ -28,10 +28,11 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils.checkpoint
-from torch.nn.modules._functions import BackwardHookFunction
 from torch.utils import _pytree as pytree
 
 from .errors import ShardingError
+from .torch_compat import (CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, TORCH_DERIVATIVE_BACKWARDS, BackwardHookFunction,
+                           classmethod_function)
 
 __all__ = ["custom_gradients_checked", "allow_autograd_function"]
 
@@ -40,11 +41,11 @@ _FIX = ("fxshard derives the backward from the traced forward ops. Give the op i
         "torch.export; fxshard runs such an op replicated)")
 
 # the autograd.Function a custom op's register_autograd generates: the op stays one node in the export
-_CUSTOM_OP_AUTOGRAD = "torch._library."
+_CUSTOM_OP_AUTOGRAD = CUSTOM_OP_AUTOGRAD_MODULE_PREFIX
 # Functions whose backward is the derivative of their forward, by qualified name. PhimoeMultiplier: the
 # backward is the softmax Jacobian-vector product of the gathered gate (checked against autodiff in
 # tests/test_custom_gradients.py)
-_DERIVATIVE_BACKWARDS = {"transformers.models.phimoe.modeling_phimoe.PhimoeMultiplier"}
+_DERIVATIVE_BACKWARDS = {"transformers.models.phimoe.modeling_phimoe.PhimoeMultiplier", *TORCH_DERIVATIVE_BACKWARDS}
 
 
 def _qualified(cls: type) -> str:
@@ -108,7 +109,7 @@ def custom_gradients_checked(model: torch.nn.Module) -> Iterator[None]:
     _refuse_backward_hooks(model)
     function_apply = torch.autograd.Function.__dict__["apply"]
     register_hook = torch.Tensor.register_hook
-    apply = function_apply.__func__
+    apply = classmethod_function(function_apply)
 
     def checked_apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         if cls is torch.utils.checkpoint.CheckpointFunction:

@@ -27,12 +27,12 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .errors import ShardingError
 from .mesh import MeshInfo
 from .styles import AxisSpec, Boundary
+from .torch_compat import resolve_process_group
 
 __all__ = ["StyleReading", "read_style"]
 
@@ -69,7 +69,7 @@ def _meta_copy(module: nn.Module) -> nn.Module:
 
 def _axis_mesh(info: MeshInfo, axis: int) -> DeviceMesh:
     """The 1-D DeviceMesh of mesh axis ``axis`` (what ``parallelize_module`` is given for a TP style)."""
-    return DeviceMesh.from_group(_resolve_process_group(info.group_names[axis]), info.device_type,
+    return DeviceMesh.from_group(resolve_process_group(info.group_names[axis]), info.device_type,
                                  mesh_dim_names=(info.names[axis],))
 
 

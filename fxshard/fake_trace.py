@@ -16,15 +16,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch._subclasses.functional_tensor import FunctionalTensorMode
-from torch.fx._lazy_graph_module import _make_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbols
 
 from .errors import ShardingError
 from .ir import source_line
+from .torch_compat import (FakeTensorMode, FunctionalTensorMode, ShapeEnv, enable_python_dispatcher,
+                           free_unbacked_symbols, make_fx)
+from .torch_compat import make_graph_module as _make_graph_module
 
 __all__ = ["fake_inputs", "fake_like", "functional_make_fx", "named_placeholders", "reject_effect_tokens"]
 
@@ -63,7 +60,7 @@ def functional_make_fx(fn: Callable[..., Any], args: Sequence[Any], tracing_mode
     """``make_fx(fn, tracing_mode, decomposition_table=table)(*args)`` under a functional tensor mode.
 
     Requires: ``fn`` wraps its tensor arguments with ``to_fun`` and unwraps its results with
-    ``from_fun`` (``torch._functorch._aot_autograd.functional_utils``). Ensures: a graph without
+    ``from_fun`` (``fxshard.torch_compat``). Ensures: a graph without
     in-place ops on its values (mutations of inputs are not written back)."""
     with enable_python_dispatcher(), FunctionalTensorMode(_allow_token_discovery=True):
         return make_fx(fn, tracing_mode=tracing_mode, decomposition_table=table)(*args)

@@ -132,13 +132,13 @@ _CASTS = frozenset(("to", "_to_copy", "detach", "alias", "clone", "contiguous", 
 def _cast_of_constant(t: torch.Tensor) -> bool:
     """Whether ``t``, made while ``torch.export`` traces, is a constant the trace lifted passed through dtype or
     device casts and copies only (read from the tracer's record of the op that made it)."""
-    from torch.fx.experimental import proxy_tensor
+    from .torch_compat import get_proxy_mode, get_proxy_slot
 
-    mode = proxy_tensor.get_proxy_mode()
+    mode = get_proxy_mode()
     if mode is None:
         return False
     try:
-        slot = proxy_tensor.get_proxy_slot(t, mode.tracer, None)
+        slot = get_proxy_slot(t, mode.tracer, None)
     except Exception:  # not a tensor the tracer made
         return False
     node = getattr(getattr(slot, "proxy", None), "node", None)

@@ -41,6 +41,7 @@ import torch
 from .errors import name_few
 from .placements import Replicated
 from .replicas import check_replicas
+from .torch_compat import queue_autograd_callback
 
 __all__ = ["track_gradients", "record_gradients", "check_gradients", "forward_started", "records_kept"]
 
@@ -96,7 +97,7 @@ def track_gradients(sm: Any) -> None:
         if mod is None:
             return
         if not last:  # queued again: runs after the callbacks this backward queued later (DDP's)
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: after_backward(True))
+            queue_autograd_callback(lambda: after_backward(True))
             return
         mod.__dict__[_QUEUED] = False
         record_gradients(mod)
@@ -105,7 +106,7 @@ def track_gradients(sm: Any) -> None:
         mod = ref()
         if mod is not None and not mod.__dict__.get(_QUEUED):
             mod.__dict__[_QUEUED] = True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: after_backward(False))
+            queue_autograd_callback(lambda: after_backward(False))
 
     for p in sm.parameters():  # once per tensor
         if (p.is_floating_point() or p.is_complex()) and not p.is_inference():  # the tensors that can require grad

@@ -11,6 +11,7 @@ from .ir import COMM_KEY, FALLBACK_KEY, INSERTED_KEY, META_KEY, STRATEGY_KEY
 from .description import sharding_of
 from .module import Program
 from .spec import Spec
+from .torch_compat import OpOverload
 
 __all__ = ["explain", "comm_stats", "collectives", "gathered_inputs"]
 
@@ -75,7 +76,7 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 def _op_name(n: fx.Node) -> str:
     t = n.target
-    return str(t).replace("aten.", "") if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+    return str(t).replace("aten.", "") if isinstance(t, OpOverload) else getattr(t, "__name__", str(t))
 
 
 def explain(sm: Any) -> str:

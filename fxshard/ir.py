@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from .spec import META_KEY, Spec
+from .torch_compat import OpOverload
 
 aten = torch.ops.aten
 
@@ -182,4 +183,4 @@ def is_op(target: Any, cls: OpClass) -> bool:
 
 def is_random(node: fx.Node) -> bool:
     """Whether ``node`` calls an ATen op that draws from a random generator (tagged ``nondeterministic_seeded``)."""
-    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags
+    return isinstance(node.target, OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags

@@ -36,11 +36,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.func import functionalize
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils import _pytree as pytree
 
 from .attention_op import attention_as_one_op
@@ -64,6 +61,7 @@ from .pipeline import DEFAULT, Pipeline
 from .placements import P, Pl
 from .plan import is_spec_leaf, to_placements
 from .spec import fmt_placements, shard_factor
+from .torch_compat import FakeTensorMode, OpOverload, ShapeEnv, make_fx
 
 __all__ = ["jit", "ShardedFunction"]
 
@@ -299,7 +297,7 @@ class ShardedFunction:
             with host_rngs_unchanged(f"the jitted function {self.__name__}"):
                 gm = make_fx(flat_fn, tracing_mode="fake", decomposition_table=joint_decomposition_table(),
                              record_stack_traces=True)(*fakes)
-            if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+            if any(isinstance(n.target, OpOverload) and n.target._schema.is_mutable
                    for n in gm.graph.nodes):
                 gm = _functionalized(gm, fakes)
         g = gm.graph
@@ -313,7 +311,7 @@ class ShardedFunction:
                 g.erase_node(n)
             elif n.target in DROP:
                 g.erase_node(n)
-            elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            elif isinstance(n.target, OpOverload) and n.target._schema.is_mutable:
                 dst = n.args[0] if n.args else None
                 what = f"its argument {paths[dst]}" if dst in paths else f"a tensor ({n.target})"
                 raise ShardingError(

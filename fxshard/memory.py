@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from .collectives import all_reduce_into_input, hint
@@ -31,6 +30,7 @@ from .ir import META_KEY, VIEW_OPS
 from .registry import output_leaves
 from .spec import Spec
 from .symbolic import sym_dim, sym_shape
+from .torch_compat import FakeTensor, FakeTensorMode
 
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default

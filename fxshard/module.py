@@ -38,6 +38,7 @@ from .placements import Pl, R, S
 from .replicas import as_words, check_pieces_differ, check_replicas, communicates, from_source, holds_sentinel
 from .sources import SHARED
 from .tiled_init import draw_seed, fill as fill_tiles
+from .torch_compat import dynamo_safe_function_outputs, peek_interpreter_stack
 
 __all__ = ["ShardedModule", "Scope", "ScopeList", "ScopeDict", "Program", "Programs", "Training", "Untrainable"]
 
@@ -126,9 +127,10 @@ class _RunSharded(torch.autograd.Function):
         ctx.save_for_backward(*[saved[i] for i in ctx.tensor_pos])
         ctx.out_meta = [(o.shape, o.dtype, o.device) if isinstance(o, torch.Tensor) else None for o in outs]
         diff = set(training.diff_out if training.grad_out is None else training.grad_out)
-        kept = {id(_root(o)) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)}
+        # compared with ``is``, not through id(): TorchDynamo before torch 2.13 cannot trace id() of these
+        kept = [_root(o) for i, o in enumerate(outs) if i in diff and isinstance(o, torch.Tensor)]
         for i, o in enumerate(outs):  # a .detach()-ed copy of an output (or a view of it) shares its storage
-            if isinstance(o, torch.Tensor) and i not in diff and id(_root(o)) in kept:
+            if isinstance(o, torch.Tensor) and i not in diff and any(_root(o) is k for k in kept):
                 outs[i] = o.detach()
         ctx.mark_non_differentiable(*[o for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and i not in diff])
         ctx.set_materialize_grads(False)  # None: an output the loss does not use (see backward)
@@ -143,7 +145,7 @@ class _RunSharded(torch.autograd.Function):
                 if group.slot < training.n_out:
                     outs[group.slot] = root
             outs += [root for group, root in groups if group.slot >= training.n_out]
-        return tuple(outs)
+        return tuple(dynamo_safe_function_outputs(outs, diff))
 
     @staticmethod
     def backward(ctx, *grad_outs: Any) -> Any:  # type: ignore[override]
@@ -1112,7 +1114,7 @@ class ShardedModule(_StandIn):
         forward computes with the sharded parameters' current values."""
         check_autocast(f"{self._where} was called", self._mesh.device_type, self.__dict__.get("_autocast"))
         # under TorchDynamo the stack is a traced value, never None: a transform around a compiled module is not seen
-        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        if not torch.compiler.is_compiling() and peek_interpreter_stack() is not None:
             raise ShardingError(
                 f"{self._where} was called under a torch.func transform (grad, vmap, jacrev, ...): it runs its "
                 f"sharded programs as one autograd step that such transforms cannot see into, so they would fail "
@@ -1151,7 +1153,7 @@ class ShardedModule(_StandIn):
         Requires ``torch.compile``'s keyword arguments; unlike ``torch.compile``, ``mode`` and ``options``
         may both be given. Ensures: when the backend is inductor (``backend`` given as ``"inductor"``, or
         left out or ``None`` with inductor as dynamo's default backend), the options inductor gets are
-        those of ``mode`` (``torch._inductor.list_mode_options``), then ``fxshard.compile.INDUCTOR_OPTIONS``,
+        those of ``mode`` (inductor's ``list_mode_options``), then ``fxshard.compile.INDUCTOR_OPTIONS``,
         then the caller's ``options`` (which win); other backends get the arguments unchanged.
         (``torch.compile(sm)`` itself cannot be intercepted: pass
         ``options=dict(fxshard.compile.INDUCTOR_OPTIONS)`` there.)"""
@@ -1159,14 +1161,14 @@ class ShardedModule(_StandIn):
 
         backend = kwargs.get("backend")
         if backend is None:
-            from torch._dynamo.backends.registry import get_default_backend
+            from .torch_compat import get_default_backend
 
             backend = get_default_backend()
         if backend == "inductor":
             mode = kwargs.pop("mode", None)  # torch.compile takes a mode or options, not both
             by_mode = {}
             if mode is not None:
-                from torch._inductor import list_mode_options
+                from .torch_compat import list_mode_options
 
                 by_mode = list_mode_options(mode, kwargs.get("dynamic"))
             kwargs["options"] = {**by_mode, **INDUCTOR_OPTIONS, **(kwargs.get("options") or {})}

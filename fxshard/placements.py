@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import ShardingError
+from .torch_compat import StridedShard as _StridedShard
 
 __all__ = ["R", "S", "Part", "Pl", "Replicated", "P", "Packed", "from_torch", "to_torch"]
 

@@ -46,6 +46,7 @@ from .errors import ShardingError
 from .sizes import fmt_bytes, parse_bytes
 from .ir import INSERTED_KEY, META_KEY, VIEW_OPS, is_random
 from .spec import Spec
+from .torch_compat import OpOverload
 
 __all__ = ["POLICIES", "Policy", "check_policy", "recomputed", "layer_sets", "fit_budget", "value_bytes"]
 
@@ -87,7 +88,7 @@ def _tensor_valued(n: fx.Node) -> bool:
 
 
 def _communicates(n: fx.Node) -> bool:
-    return isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ("_c10d_functional", "c10d")
+    return isinstance(n.target, OpOverload) and n.target.namespace in ("_c10d_functional", "c10d")
 
 
 def _recomputable(n: fx.Node) -> bool:
@@ -127,7 +128,7 @@ def layer_sets(g: fx.Graph, forward: set[fx.Node], fwd_outs: Sequence[Any]) -> l
 def _cheap(n: fx.Node) -> bool:
     t = n.target
     return _recomputable(n) and (t is operator.getitem or t in VIEW_OPS or (
-        isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags))
+        isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags))
 
 
 def value_bytes(n: fx.Node, sizes: Sequence[int]) -> int:

@@ -20,10 +20,10 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .checkpoint import Piece
 from .errors import ShardingError
+from .torch_compat import TorchDispatchMode, disabled_torch_function_impl
 
 __all__ = ["fill", "tile_shape", "tiled_init", "draw_seed"]
 
@@ -54,7 +54,7 @@ class _Tile(torch.Tensor):
         r._tile, r._ctx = tile, ctx
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     def __repr__(self) -> str:
         return f"TileOf(shape={tuple(self.shape)}, tile={tuple(self._tile.shape)})"

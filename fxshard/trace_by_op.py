@@ -46,23 +46,20 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx._lazy_graph_module import _make_graph_module
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from .constrain import CONSTRAIN_OP, constraint_kind
 from .fake_trace import fake_like, functional_make_fx
 from .ir import STOP_KEY
+from .torch_compat import COPY_META_FIELDS, FakeTensorMode, OpOverload, ShapeEnv, from_fun, to_fun
+from .torch_compat import extract_tensor_metadata as _extract_tensor_metadata, make_graph_module as _make_graph_module
 
 __all__ = ["joint_by_op", "forward_by_op", "by_op_enabled"]
 
 _log = logging.getLogger(__name__)  # why a graph was traced whole (DEBUG)
 _FOREIGN = ("_c10d_functional", "c10d", "_c10d_functional_autograd", "higher_order")
 # meta that make_fx copies from the node being run (``preserve_node_meta``): where a copy came from
-_PROVENANCE = ("stack_trace", *torch.fx.proxy._COPY_META_FIELDS)
+_PROVENANCE = ("stack_trace", *COPY_META_FIELDS)
 
 
 def by_op_enabled() -> bool:
@@ -183,7 +180,7 @@ class _ByOp:
             if n.op in ("get_attr", "call_module", "call_method"):
                 raise _Unsupported(n.op)
             if n.op == "call_function" and n.target is not operator.getitem and (
-                    not isinstance(n.target, torch._ops.OpOverload) or n.target.namespace in _FOREIGN
+                    not isinstance(n.target, OpOverload) or n.target.namespace in _FOREIGN
                     or n.target._schema.is_mutable):
                 raise _Unsupported(str(n.target))
             for v in pytree.tree_leaves(n.meta.get("val")):
@@ -285,12 +282,12 @@ class _ByOp:
             traced = functional_make_fx(one, (prims, tans), "fake", self.table)
         graph = traced.graph
         for x in graph.nodes:
-            if x.op == "get_attr" or (x.op == "call_function" and not isinstance(x.target, torch._ops.OpOverload)
+            if x.op == "get_attr" or (x.op == "call_function" and not isinstance(x.target, OpOverload)
                                       and x.target is not operator.getitem):
                 raise _Unsupported(f"{x.op} {x.target} in the trace of {n.target}")
         if any(v.storage_offset() for v in vals + tangent_vals) and any(
                 getattr(x.target, "overloadpacket", None).__name__ in _OFFSET_OPS for x in graph.nodes
-                if isinstance(x.target, torch._ops.OpOverload)):
+                if isinstance(x.target, OpOverload)):
             raise _Unsupported(f"{n.target} reads the storage offset of an input that has one")
         phs = [x for x in graph.nodes if x.op == "placeholder"]
         if len(phs) != len(ins) + len(tangent_vals):
@@ -478,7 +475,7 @@ class _ByOp:
         node's provenance, not the provenance of the node ``mini`` was traced for) or ``node`` (a backward
         part), named as make_fx names it, with ``node``'s own constraint key."""
         node = fwd_node or node
-        name = g._target_to_str(x.target.overloadpacket.__name__) if isinstance(x.target, torch._ops.OpOverload) else None
+        name = g._target_to_str(x.target.overloadpacket.__name__) if isinstance(x.target, OpOverload) else None
         args, kwargs = fx.map_arg(x.args, m.__getitem__), fx.map_arg(x.kwargs, m.__getitem__)
         if mini.key is not None and mini.key != node.args[1]:
             args, kwargs = pytree.tree_map_only(str, lambda s: node.args[1] if s == mini.key else s, (args, kwargs))

@@ -166,9 +166,10 @@ class _Hooked(_Plain):
 
 
 def test_an_autograd_function_that_needs_its_backward_is_refused(mesh2):
+    apply = torch.autograd.Function.__dict__["apply"]  # a classmethod, a C descriptor from torch 2.14
     with pytest.raises(ShardingError, match=r"autograd.Function .*_StraightThrough to a tensor that requires grad"):
         fxshard.shard(_Ste(), mesh2, {"net1": ColwiseParallel()}, example_inputs=(torch.randn(2, 8),))
-    assert torch.autograd.Function.apply.__func__ is torch.autograd.function.Function.__dict__["apply"].__func__
+    assert torch.autograd.Function.__dict__["apply"] is apply  # restored
 
 
 def test_an_autograd_function_without_gradients_to_compute_is_traced(mesh2):

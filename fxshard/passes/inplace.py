@@ -30,6 +30,7 @@ import torch.fx as fx
 from ..context import ShardContext
 from ..collectives import all_reduce_into_input
 from ..ir import COMM_KEY
+from ..torch_compat import OpOverload
 
 __all__ = ["inplace_pass", "reduces_in_place"]
 
@@ -49,7 +50,7 @@ def _fresh(node: fx.Node) -> bool:
     if target is operator.getitem or target in _VIEWS:
         base = node.args[0]
         return isinstance(base, fx.Node) and (target is operator.getitem or len(base.users) == 1) and _fresh(base)
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     schema = target._schema
     return not schema.is_mutable and all(r.alias_info is None for r in schema.returns)

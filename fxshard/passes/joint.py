@@ -42,10 +42,6 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._decomp import decomposition_table
-from torch.fx._lazy_graph_module import _make_graph_module
-from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from ..context import ShardContext
@@ -57,6 +53,8 @@ from ..registry import output_leaves
 from ..trace_by_op import by_op_enabled, joint_by_op
 from ..remat import Policy, check_policy, fit_budget, layer_sets, recomputed, value_bytes
 from .trace import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
+from ..torch_compat import OpOverload, decomposition_table, free_unbacked_symbols, from_fun, to_fun
+from ..torch_compat import make_graph_module as _make_graph_module
 
 __all__ = ["CollectiveGradient", "Joint", "trace_joint", "joint_context", "partition", "Split"]
 
@@ -123,7 +121,7 @@ class _Differentiable(fx.Interpreter):
 
     def _reached(self, n: fx.Node, grad_outputs: Any) -> None:
         self.at = n
-        if isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in _COLLECTIVES:
+        if isinstance(n.target, OpOverload) and n.target.namespace in _COLLECTIVES:
             src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) and "wait" in str(n.target) else n
             raise CollectiveGradient(
                 f"the model calls a torch.distributed collective ({src.target}) at {source_line(n) or n.name} on a "
@@ -220,7 +218,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
         if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
-        elif isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+        elif isinstance(n.target, OpOverload) and n.target._schema.is_mutable:
             raise ShardingError(f"internal: the functionalized joint graph still mutates ({n.format_node()}); "
                                 f"please report this model")
     _read_written_noise(gm.graph)

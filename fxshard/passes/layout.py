@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..ir import INSERTED_KEY, VIEW_OPS, OpClass, is_op
+from ..torch_compat import optimization_hint
 
 aten = torch.ops.aten
 

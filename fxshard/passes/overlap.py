@@ -20,6 +20,7 @@ import torch.fx as fx
 from ..context import ShardContext
 from ..errors import ShardingError
 from ..ir import COMM_KEY
+from ..torch_compat import OpOverload
 
 __all__ = ["overlap_pass", "reorder_for_overlap", "overlap_order", "collective_groups", "INDUCTOR_OPTIONS"]
 
@@ -51,7 +52,7 @@ def _keeps_order(n: fx.Node) -> bool:
     if COMM_KEY in n.meta:
         return True
     t = n.target
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         return torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable
     return False
 

@@ -23,7 +23,6 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..context import ShardContext
 from ..cost import axis_link, transition_cost
@@ -36,6 +35,7 @@ from ..ir import (FALLBACK_KEY, IN_KEY, META_KEY, STRATEGY_KEY, NodeSharding, Op
                   spec_of)
 from ..spec import Spec, fmt_placements, shard_factor, split_ok
 from ..symbolic import is_concrete, sym_shape
+from ..torch_compat import OpOverload, optimization_hint
 
 __all__ = ["propagate", "IN_KEY", "STRATEGY_KEY", "FALLBACK_KEY", "spec_of"]
 
@@ -129,7 +129,7 @@ def propagate(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
             node.meta[META_KEY] = cur.with_placements(want)
             continue
         out_shape = out_shape_of(node)
-        if out_shape is None or not isinstance(node.target, torch._ops.OpOverload):
+        if out_shape is None or not isinstance(node.target, OpOverload):
             continue
         ins = tensor_inputs(node)
         in_specs = [n.meta[META_KEY] for n in ins]

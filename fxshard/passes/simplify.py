@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from ..ir import IN_KEY, META_KEY, OpClass, is_op
 from ..spec import Spec
+from ..torch_compat import is_non_overlapping_and_dense_or_false
 
 aten = torch.ops.aten
 

@@ -32,7 +32,6 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from .. import milp
 from ..clusters import node_classes
@@ -49,6 +48,7 @@ from ..rules.attention import WORK as ATTENTION_WORK, flops as attention_flops
 from ..rules.matmul import ADD_EINSUMS, EINSUMS
 from ..spec import META_KEY, Spec
 from ..ir import FALLBACK_KEY, IN_KEY, STRATEGY_KEY
+from ..torch_compat import optimization_hint
 
 __all__ = ["solve", "price", "build_problem", "solve_problem", "greedy_is_optimal", "Problem", "PLANNERS"]
 

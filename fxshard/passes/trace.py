@@ -46,10 +46,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
-from torch._decomp import decompositions as _decomps
-from torch._functorch._aot_autograd.functional_utils import from_fun, has_data_mutation, has_metadata_mutation, to_fun
 from torch.export.graph_signature import ConstantArgument, InputKind
-from torch.nn import _reduction as _Reduction
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
@@ -64,6 +61,9 @@ from ..ir import STOP_KEY, source_line
 from ..precision import AutocastState, autocast_off
 from ..trace_by_op import by_op_enabled, forward_by_op
 from .simplify import drop_noop_clones
+from ..torch_compat import OpOverload, OpOverloadPacket, from_fun, has_data_mutation, has_metadata_mutation, to_fun
+from ..torch_compat import FakeTensorMode, ShapeEnv
+from ..torch_compat import nn_reduction as _Reduction
 
 aten = torch.ops.aten
 
@@ -179,9 +179,9 @@ def decomposition_table(stop_gradient: Any = torch.Tensor.detach) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _core_table() -> dict:
-    from torch._decomp import _core_aten_decompositions_post_autograd
+    from ..torch_compat import core_aten_decompositions_post_autograd
 
-    return _core_aten_decompositions_post_autograd()
+    return core_aten_decompositions_post_autograd()
 
 
 def _softmaxes(stop: Any) -> tuple[Any, Any]:
@@ -189,13 +189,13 @@ def _softmaxes(stop: Any) -> tuple[Any, Any]:
     goes through ``stop`` (a stop-gradient). Softmax is shift invariant, so no gradient flows through
     that max (eager's fused backward has none); differentiating it cost six extra passes over the
     logits in every backward, and collectives when the class dim is split."""
-    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+    from ..torch_compat import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes, softmax_unbacked_safe_amax
 
     def shifted(x: torch.Tensor, dim: int, half_to_float: bool) -> tuple[torch.Tensor, torch.dtype]:
         x = x.contiguous()
         compute, result = elementwise_dtypes(x, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
         x = x.to(compute)
-        return x - stop(_decomps._softmax_unbacked_safe_amax(x, dim)), compute if half_to_float else result
+        return x - stop(softmax_unbacked_safe_amax(x, dim)), compute if half_to_float else result
 
     def softmax(x: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
         sh, dtype = shifted(x, dim, half_to_float)
@@ -521,7 +521,7 @@ def _written_through(node: fx.Node) -> Optional[fx.Node]:
     while todo:
         x = todo.pop()
         for u in x.users:
-            if u.op != "call_function" or not isinstance(u.target, torch._ops.OpOverload):
+            if u.op != "call_function" or not isinstance(u.target, OpOverload):
                 continue
             schema = u.target._schema
             given = dict(zip((a.name for a in schema.arguments), u.args)) | dict(u.kwargs)
@@ -623,7 +623,7 @@ class _RandomOps:
     """The op packets CSE must keep apart: any overload tagged ``nondeterministic_seeded``."""
 
     def __contains__(self, packet: Any) -> bool:
-        return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+        return isinstance(packet, OpOverloadPacket) and any(
             torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
 
 
@@ -640,9 +640,9 @@ def _cse(gm: fx.GraphModule, keep_casts: bool = False) -> fx.GraphModule:
     equal nodes kept; random ops never merged), in place: ``CSEPass`` builds an eagerly compiled
     GraphModule, whose Python codegen is most of its cost on a large graph.
     """
-    from torch.fx._lazy_graph_module import _get_graph_module_cls
+    from ..torch_compat import get_graph_module_cls as _get_graph_module_cls
 
-    if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
+    if any(isinstance(n.target, OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
         return gm
     random = _RandomOps()  # two draws are two draws: never merge random ops
     seen: dict[Any, list[tuple[Any, fx.Node]]] = {}
@@ -758,8 +758,6 @@ def _on_device(args: Any, kwargs: Any, device: torch.device) -> tuple[Any, Any]:
     real model become fake tensors on the model's device (export traces them; nothing is allocated)."""
     leaves = pytree.tree_leaves((args, kwargs))
     if device.type != "meta" and any(isinstance(x, torch.Tensor) and x.device.type == "meta" for x in leaves):
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
 
@@ -919,8 +917,6 @@ def _traced_on(model: torch.nn.Module, args: Any, kwargs: Any, autocast: Optiona
     if autocast is None or all(t.device.type == autocast.device_type for t in tensors + leaves):
         yield args, kwargs
         return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
     device = torch.device(autocast.device_type)

@@ -117,7 +117,7 @@ WORK = {ATTENTION: 1.0, ATTENTION_BACKWARD: 3.5}
 def flops(node: "fx.Node") -> float:
     """Requires a ``fxshard::attention`` or ``fxshard::attention_backward`` node carrying ``meta["val"]`` on
     its q, k, v. Ensures its floating-point work (``WORK``), hints for symbolic sizes (64 unknown)."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    from ..torch_compat import optimization_hint
 
     first = 1 if node.target is ATTENTION_BACKWARD else 0
     q, k, v = (node.args[first + i].meta["val"].shape for i in range(3))

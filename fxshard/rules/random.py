@@ -31,7 +31,7 @@ Semantics (the contract users rely on):
   model up to float rounding. Runs with the same seed are deterministic. Under
   ``torch.compile`` the numbers come from inductor's RNG instead (still
   deterministic per seed and identical across ranks), unless
-  ``torch._inductor.config.fallback_random`` is set, which gives eager's; on
+  inductor's ``fallback_random`` config is set, which gives eager's; on
   CUDA the fused dropout kernel's stream is not promised to match.
 * **Backward.** The mask is computed once in the forward and saved as this
   rank's boolean chunk; the backward reuses it (the joint graph's partition

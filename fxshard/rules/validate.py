@@ -31,9 +31,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..context import ShardContext
 from ..mesh import MeshInfo
@@ -41,6 +39,7 @@ from ..placements import Part, Pl, R, S
 from ..registry import OpCall, Strategy, lookup, out_shape_of, registered_ops, tensor_inputs
 from ..spec import META_KEY, Spec, chunk
 from ..symbolic import sym_shape
+from ..torch_compat import FakeTensorMode, TorchDispatchMode
 
 aten = torch.ops.aten
 
@@ -443,7 +442,7 @@ def pick_samples(samples: Iterable[Any], n: int, key: Callable[[Any], Any] = lam
 def _opinfos_by_name() -> dict[str, list[Any]]:
     """OpInfos under their full name (``polygamma.polygamma_n_1``), their base name, their name with
     dots as underscores (``special.i1`` -> ``special_i1``) and their ATen name."""
-    from torch.testing._internal.common_methods_invocations import op_db
+    from ..torch_compat import op_db
 
     res: dict[str, list[Any]] = {}
     for info in op_db:
@@ -461,7 +460,7 @@ def _samples_of(info: Any, dt: torch.dtype, look: int = 48) -> tuple:
     """The first ``look`` samples of an OpInfo (seeded by its name; generating them is slow, so kept)."""
     key = (id(info), dt)
     if key not in _SAMPLES_OF:
-        from torch.testing._internal.common_utils import set_rng_seed
+        from ..torch_compat import set_rng_seed
 
         set_rng_seed(zlib.crc32(info.name.encode()))  # torch, Python and numpy: samples draw from all three
         _SAMPLES_OF[key] = tuple(itertools.islice(info.sample_inputs("cpu", dt, set_seed=False), look))
@@ -527,7 +526,7 @@ def op_samples(op: Any, per_op: int = 3, infos: Optional[dict[str, list[Any]]] =
         for name in validate_samples.SOURCES.get(op, ()):
             for info in infos.get(name, [])[:1]:
                 if len(res) < per_op:
-                    from torch.testing._internal.common_utils import set_rng_seed
+                    from ..torch_compat import set_rng_seed
 
                     set_rng_seed(zlib.crc32(info.name.encode()))
                     res.extend(pick_samples(_recorded(op, info, _opinfo_dtype(info)), per_op - len(res),
