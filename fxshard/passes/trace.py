@@ -880,6 +880,43 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
     return ep, gm, mutated
 
 
+_DETACHING = {torch.Tensor.detach, torch.detach}
+
+
+class _NoGradReadsRefused(TorchFunctionMode):
+    """While an autocast forward is exported: a ``torch.no_grad()`` region that computes from a tensor needing a
+    gradient raises a ShardingError. ``torch.export`` keeps no grad-disabled region nested inside an autocast
+    region (its passes inline it), so such a region's gradient would silently flow where eager's stops
+    (``_mark_stop_gradients`` finds nothing to mark). Regions over tensors that need no gradient (rotary tables
+    from buffers and positions) lose nothing and pass; ``.detach()`` is an op, kept in the graph."""
+
+    def __init__(self, autocast: AutocastState) -> None:
+        super().__init__()
+        self.autocast = autocast
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if (not torch.is_grad_enabled() and func not in _DETACHING
+                and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
+                and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs)))):
+            raise ShardingError(
+                f"{_caller_line()} computes under torch.no_grad() from a tensor that needs a gradient, inside "
+                f"{self.autocast}; torch.export drops a grad-disabled region nested in an autocast forward, so "
+                f"the gradient would flow through it unlike eager's. Compute that value from .detach()-ed "
+                f"tensors instead (e.g. self.proj(h.detach()) in place of the no_grad block), or shard and call "
+                f"the module without autocast")
+        return out
+
+
+def _caller_line() -> str:
+    """The innermost frame of the running stack outside torch and fxshard, as ``file:line (code)``."""
+    for fr in reversed(traceback.extract_stack()):
+        if f"{os.sep}torch{os.sep}" not in fr.filename and f"{os.sep}fxshard{os.sep}" not in fr.filename:
+            return f"{fr.filename}:{fr.lineno} ({fr.line})"
+    return "the forward"
+
+
 @contextlib.contextmanager
 def _forward_inside(model: torch.nn.Module, autocast: Optional[AutocastState]) -> Iterator[None]:
     """``model.forward`` runs inside ``autocast`` in the block (an instance attribute wrapping it, with its
@@ -892,7 +929,7 @@ def _forward_inside(model: torch.nn.Module, autocast: Optional[AutocastState]) -
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with autocast.context():
+        with autocast.context(), _NoGradReadsRefused(autocast):
             return inner(*args, **kwargs)
 
     model.__dict__["forward"] = forward
