@@ -335,6 +335,12 @@ class _NoGradGate(nn.Module):
         self.mode = mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "own_autocast":  # the model's own autocast block around a no_grad region
+            with torch.autocast("cpu", dtype=BF16):
+                h = self.a(x)
+                with torch.no_grad():
+                    w = torch.softmax(self.g(h), -1)
+            return (h * w).float().pow(2).mean()
         h = self.a(x)
         if self.mode == "detach":
             w = torch.softmax(self.g(h.detach()), -1)
@@ -354,6 +360,8 @@ def test_no_grad_regions_under_autocast_match_eager_or_raise(mesh2) -> None:
         with pytest.raises(ShardingError, match=r"computes under torch.no_grad\(\) from a tensor that needs a "
                                                 r"gradient, inside torch.autocast\('cpu'.*\.detach\(\)"):
             fxshard.shard(_NoGradGate("reads_activation"), mesh2, {}, example_inputs=(x,))
+    with pytest.raises(ShardingError, match=r"computes under torch.no_grad\(\) .* inside torch.autocast\('cpu'"):
+        fxshard.shard(_NoGradGate("own_autocast"), mesh2, {}, example_inputs=(x,))
     for mode in ("buffer_only", "detach"):
         torch.manual_seed(0)
         model = _NoGradGate(mode)

@@ -864,7 +864,7 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
                         "make forward traceable (no data-dependent Python control flow, no .item()/.tolist() on "
                         "tensors) or pass example_inputs matching forward's signature"), quiet_unless_ok(), off:
         warn_traced_hooks(model)
-        with _forward_inside(model, autocast), cumulative_batch_norm_traceable(model), \
+        with _forward_inside(model, autocast), _NoGradReadsRefused(), cumulative_batch_norm_traceable(model), \
                 _boundary_hooks(model, boundaries), custom_gradients_checked(model), \
                 forward_state_unchanged(model) as state:
             try:
@@ -883,26 +883,28 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
 _DETACHING = {torch.Tensor.detach, torch.detach}
 
 
-class _NoGradReadsRefused(TorchFunctionMode):
-    """While an autocast forward is exported: a ``torch.no_grad()`` region that computes from a tensor needing a
-    gradient raises a ShardingError. ``torch.export`` keeps no grad-disabled region nested inside an autocast
-    region (its passes inline it), so such a region's gradient would silently flow where eager's stops
-    (``_mark_stop_gradients`` finds nothing to mark). Regions over tensors that need no gradient (rotary tables
-    from buffers and positions) lose nothing and pass; ``.detach()`` is an op, kept in the graph."""
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
-    def __init__(self, autocast: AutocastState) -> None:
-        super().__init__()
-        self.autocast = autocast
+
+class _NoGradReadsRefused(TorchFunctionMode):
+    """While a forward is exported: a ``torch.no_grad()`` region inside an enabled ``torch.autocast`` (shard()'s,
+    or the model's own) that computes from a tensor needing a gradient raises a ShardingError. ``torch.export``
+    keeps no grad-disabled region nested inside an autocast region (its passes inline it), so such a region's
+    gradient would silently flow where eager's stops (``_mark_stop_gradients`` finds nothing to mark). Regions
+    over tensors that need no gradient (rotary tables from buffers and positions) lose nothing and pass;
+    ``.detach()`` is an op, kept in the graph."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if (not torch.is_grad_enabled() and func not in _DETACHING
-                and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
+        if torch.is_grad_enabled() or func in _DETACHING:
+            return out
+        active = [AutocastState.current(d) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        if (active and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
                 and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs)))):
             raise ShardingError(
                 f"{_caller_line()} computes under torch.no_grad() from a tensor that needs a gradient, inside "
-                f"{self.autocast}; torch.export drops a grad-disabled region nested in an autocast forward, so "
+                f"{active[0]}; torch.export drops a grad-disabled region nested in an autocast forward, so "
                 f"the gradient would flow through it unlike eager's. Compute that value from .detach()-ed "
                 f"tensors instead (e.g. self.proj(h.detach()) in place of the no_grad block), or shard and call "
                 f"the module without autocast")
@@ -929,7 +931,7 @@ def _forward_inside(model: torch.nn.Module, autocast: Optional[AutocastState]) -
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with autocast.context(), _NoGradReadsRefused(autocast):
+        with autocast.context():
             return inner(*args, **kwargs)
 
     model.__dict__["forward"] = forward
