@@ -218,9 +218,12 @@ def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, *, full: bool = 
     Requires: ``optimizer`` holds only ``sm``'s parameters. Ensures: an optimizer without state is first given
     the state its first step creates (``init_optim_state``; a collective then), so the result is a template
     ``torch.distributed.checkpoint.load`` can fill when resuming. With ``full`` (a collective) each DTensor is
-    gathered into the full tensor, e.g. to ``torch.save`` one file."""
+    gathered into the full tensor, e.g. to ``torch.save`` one file. The optimizer itself is left as it was: an
+    optimizer without state gets none (its next real step is its first, as in eager; the template's tensors are
+    the result's own)."""
     names = _fqn_of(sm)
     _check_holds(sm, optimizer, names, "optim_state_dict")
+    fresh = not optimizer.state
     init_optim_state(optimizer)
     state: dict[str, dict[str, Any]] = {}
     for p, st in optimizer.state.items():
@@ -229,6 +232,8 @@ def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, *, full: bool = 
     groups = []
     for g in optimizer.param_groups:
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]})
+    if fresh:  # kept, the template's step count and zero moments would change the next real step's update
+        optimizer.state.clear()
     return {"state": state, "param_groups": groups}
 
 

@@ -139,6 +139,7 @@ def test_an_empty_or_partial_optimizer_load_raises(mesh2):
     opt = torch.optim.AdamW(sm.parameters(), lr=1e-2)
     sm(_batch(0)).square().mean().backward()  # gradients a resumed loop may leave before loading
     grads = {n: (p.grad, p.grad.clone()) for n, p in sm.named_parameters()}
+    before_fresh = {n: p.detach().clone() for n, p in sm.named_parameters()}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nor does the gradient check take fxshard's zeros for a change
         template = fxshard.optim_state_dict(sm, opt)  # a fresh optimizer: its state's structure, no step taken
@@ -146,6 +147,14 @@ def test_an_empty_or_partial_optimizer_load_raises(mesh2):
     assert sorted(template["state"]) == sorted(n for n, _ in sm.named_parameters())
     assert all(set(st) == {"step", "exp_avg", "exp_avg_sq"} for st in template["state"].values())
     assert all(int(st["step"]) == 1 and not st["exp_avg"].to_local().any() for st in template["state"].values())
+    assert not opt.state  # the optimizer is left as it was: its next real step is its first, as in eager
+    fresh = torch.optim.Adam(sm.parameters(), lr=0.1)
+    fxshard.optim_state_dict(sm, fresh)  # e.g. saving a step-0 checkpoint, then training on
+    fresh.step()
+    assert all(int(st["step"]) == 1 for st in fresh.state.values())  # was 2: Adam's bias correction of step 2
+    with torch.no_grad():
+        for n, p in sm.named_parameters():
+            p.copy_(before_fresh[n])
     before = {n: p.detach().clone() for n, p in sm.named_parameters()}
     empty = {"state": {}, "param_groups": template["param_groups"]}
     with pytest.raises(fxshard.ShardingError, match="state given is empty"):
