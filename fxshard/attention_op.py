@@ -191,6 +191,16 @@ _SDPA = aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
+def _shaped_like_query(n: fx.Node, a: dict) -> bool:
+    """Whether export's attention node ``n`` (arguments ``a``) returns ``query``'s shape with ``value``'s last
+    dim, the shape ``fxshard::attention`` gives; a query whose batch dims broadcast against the keys' (a learned
+    ``[1, H, L, E]`` query) is left to the math form. Unknown shapes count as like the query."""
+    out, q, v = n.meta.get("val"), a["query"].meta.get("val"), a["value"].meta.get("val")
+    if out is None or q is None or v is None:
+        return True
+    return tuple(out.shape) == (*q.shape[:-1], v.shape[-1])
+
+
 def route_exported(gm: fx.GraphModule) -> None:
     """Point every ``aten.scaled_dot_product_attention`` node of ``gm`` and its subgraphs at :func:`attention`'s
     choice: ``fxshard::attention`` (an op the re-traces keep), or torch's math form (decomposed by them)."""
@@ -202,7 +212,7 @@ def route_exported(gm: fx.GraphModule) -> None:
             a = {**{"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False},
                  **dict(zip(_SDPA_ARGS, n.args)), **n.kwargs}
             p = a["dropout_p"]
-            if isinstance(p, (int, float)) and p == 0.0 and fused_backends_enabled():
+            if isinstance(p, (int, float)) and p == 0.0 and fused_backends_enabled() and _shaped_like_query(n, a):
                 n.target = ATTENTION
                 n.args = (a["query"], a["key"], a["value"], a["attn_mask"], a["is_causal"], a["scale"],
                           a["enable_gqa"])

@@ -209,3 +209,33 @@ def test_the_global_planner_prices_attention_work():
     work = {n.target: _flops(n) for n in joint.gm.graph.nodes if n.target in (ATTENTION, ATTENTION_BACKWARD)}
     fwd = 2.0 * B * 4 * T * T * (E + E)  # q [B, 4, T, E]; k, v [B, 2, T, E]
     assert work == {ATTENTION: fwd, ATTENTION_BACKWARD: 3.5 * fwd}, work
+
+
+class _LatentQuery(torch.nn.Module):
+    """A learned ``[1, H, L, E]`` query attending over each batch element's keys: q's batch dim broadcasts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lat = torch.nn.Parameter(torch.randn(1, 2, 4, 8))
+        self.kv = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k, v = self.kv(x).chunk(2, -1)
+        o = F.scaled_dot_product_attention(self.lat, k, v)
+        return o.reshape(o.shape[0], -1).pow(2).sum(-1)
+
+
+def test_a_query_broadcasting_over_the_batch_matches_eager(mesh2):
+    """export's attention node is [3, 2, 4, 8] for a [1, 2, 4, 8] query; fxshard::attention returns the query's
+    shape, so such a call takes the math form (before: a shape error at shard()). Replicated plan: the fake
+    group's numerics are real."""
+    torch.manual_seed(0)
+    model, x = _LatentQuery(), torch.randn(3, 2, 4, 8)
+    ref = copy.deepcopy(model)
+    sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+    y, want = sm(x), ref(x)
+    assert y.shape == want.shape and torch.allclose(y, want, atol=1e-5)
+    y.sum().backward()
+    want.sum().backward()
+    for n, p in ref.named_parameters():
+        assert torch.allclose(sm.get_parameter(n).grad, p.grad, rtol=1e-5, atol=1e-6), n
