@@ -24,7 +24,6 @@ program runs (``F.scaled_dot_product_attention``'s own choice on the device the 
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Optional
 
 import torch
@@ -128,18 +127,25 @@ def _autocast_kernel(device_type: str) -> Any:
 
     def kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-        dtype = torch.get_autocast_dtype(device_type)
-
-        def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
-            return t.to(dtype) if eligible else t
-
+        cast = _autocast_cast(torch.get_autocast_dtype(device_type))
         with torch.autocast(device_type, enabled=False):
             return ATTENTION(cast(query), cast(key), cast(value), cast(attn_mask), is_causal, scale, enable_gqa)
 
     return kernel
 
 
+def _autocast_cast(dtype: torch.dtype) -> Any:
+    """Autocast's cast for a lower-precision op: floating tensors but float64 to ``dtype``, others (None, bool
+    masks) as they are."""
+
+    def cast(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        eligible = t is not None and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
+
+    return cast
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 _AUTOCAST = torch.library.Library("fxshard", "IMPL")
 for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
     _AUTOCAST.impl("attention", _autocast_kernel(_device_type), _key)
@@ -180,11 +186,25 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     unless ``dropout_p`` is not 0 or only the math backend is enabled, then torch's math form. ``_apply``
     calls the op (``_Attention.apply`` where ``torch.func`` transforms may differentiate it)."""
     if (not isinstance(dropout_p, (int, float)) or dropout_p != 0.0) or not fused_backends_enabled():
-        kw: dict[str, Any] = {"scale": scale}
-        if enable_gqa:
-            kw["enable_gqa"] = True
-        return _MATH(query, key, value, attn_mask, dropout_p, is_causal, **kw)[0]
+        return math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return _apply(query, key, value, attn_mask, bool(is_causal), scale, bool(enable_gqa))
+
+
+def math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                   dropout_p: float, is_causal: bool, scale: Optional[float] = None,
+                   enable_gqa: bool = False) -> torch.Tensor:
+    """torch's math form of SDPA (``aten._scaled_dot_product_attention_math``, decomposed by the re-traces), with
+    autocast's casts for SDPA applied first when autocast is on for the inputs' device (autocast has no policy
+    for the math op itself, so mixed-dtype inputs would reach it)."""
+    device_type = query.device.type
+    kw: dict[str, Any] = {"scale": scale}
+    if enable_gqa:
+        kw["enable_gqa"] = True
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        cast = _autocast_cast(torch.get_autocast_dtype(device_type))
+        with torch.autocast(device_type, enabled=False):
+            return _MATH(cast(query), cast(key), cast(value), cast(attn_mask), dropout_p, is_causal, **kw)[0]
+    return _MATH(query, key, value, attn_mask, dropout_p, is_causal, **kw)[0]
 
 
 _SDPA = aten.scaled_dot_product_attention.default
@@ -218,14 +238,10 @@ def route_exported(gm: fx.GraphModule) -> None:
                           a["enable_gqa"])
                 n.kwargs = {}
             else:  # the math form, decomposed by the re-traces
-                n.target = _MATH
-                n.args = (a["query"], a["key"], a["value"], a["attn_mask"], p, a["is_causal"])
-                n.kwargs = {"scale": a["scale"], **({"enable_gqa": True} if a["enable_gqa"] else {})}
-                with mod.graph.inserting_after(n):
-                    out = mod.graph.call_function(operator.getitem, (n, 0))
-                out.meta.update(n.meta)
-                n.replace_all_uses_with(out, delete_user_cb=lambda u, out=out: u is not out)
-                n.meta.pop("val", None)
+                n.target = math_attention
+                n.args = (a["query"], a["key"], a["value"], a["attn_mask"], p, a["is_causal"], a["scale"],
+                          a["enable_gqa"])
+                n.kwargs = {}
         if found:
             mod.recompile()
 

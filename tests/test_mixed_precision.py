@@ -9,6 +9,7 @@ autocast state than the programs were traced for raises.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -377,3 +378,46 @@ def test_no_grad_regions_under_autocast_match_eager_or_raise(mesh2) -> None:
             assert (got is None) == (p.grad is None), (mode, n)
             if p.grad is not None:
                 assert _rel(got, p.grad) < 2e-2, (mode, n, _rel(got, p.grad))
+
+
+class _RotaryAttention(nn.Module):
+    """q and k scaled by a float32 table (they leave autocast's linears in bfloat16 and come back float32, as
+    rotary-embedded ones do), v in bfloat16: attention must cast them as eager's autocast casts SDPA's inputs."""
+
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.register_buffer("rot", torch.linspace(0.5, 1.5, 16).repeat(8, 1))
+        self.dropout_p = dropout_p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x) * self.rot, self.k(x) * self.rot, self.v(x)
+        q, k, v = (t.view(2, 8, 2, 8).transpose(1, 2) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p, is_causal=True)
+        return o.float().pow(2).mean()
+
+
+@pytest.mark.parametrize("form", ["fused", "math", "dropout"])
+def test_attention_under_autocast_casts_its_inputs_as_eager(mesh2, form) -> None:
+    """The fused node (fxshard::attention's autocast kernel), the math form (sdpa_kernel(MATH)) and attention
+    dropout (the math form) all get SDPA's autocast casts: before, the math form met float32 q/k beside a
+    bfloat16 v and shard() failed. Deterministic forms match eager at bf16 level; dropout shards and trains."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    model, x = _RotaryAttention(0.5 if form == "dropout" else 0.0), torch.randn(2, 8, 16)
+    ref = copy.deepcopy(model)
+    backends = sdpa_kernel(SDPBackend.MATH) if form == "math" else contextlib.nullcontext()
+    with torch.autocast("cpu", dtype=BF16), backends:
+        sm = fxshard.shard(model, mesh2, {}, example_inputs=(x,))
+        loss = sm(x)
+        loss.backward()
+        if form == "dropout":
+            assert torch.isfinite(loss) and all(p.grad is not None for p in sm.parameters())
+            return
+        want = ref(x)
+        want.backward()
+    assert _rel(loss, want) < 1e-2
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())  # k.bias's gradient is 0 up to rounding
+    for n, p in ref.named_parameters():
+        assert (sm.get_parameter(n).grad - p.grad).abs().max().item() < 3e-2 * scale, (form, n)
