@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import itertools
 import warnings
@@ -311,7 +312,8 @@ def _shard_programs_lazily(model: nn.Module, info: MeshInfo, req: _Request, say:
                        constraints=recorded)
         if report is not None and req.budget is not None:  # the planner keeps the values within what is left
             ctx.activation_room = req.budget - req.margin - (report.footprint - report.activation_peak)
-            ctx.solve_within = solve_within
+            # re-planned from the plan the layouts were chosen with (solve_within's hint)
+            ctx.solve_within = functools.partial(solve_within, hint=report.strategies)
     ctx.planner = req.planner
 
     placements: dict[str, tuple[Pl, ...]] = {}

@@ -39,7 +39,7 @@ import os
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -112,6 +112,10 @@ class AutoReport:
     seconds: float
     measured: Optional[int] = None  # the sharded result's footprint (fxshard.memory, AdamW), once known
     margin: int = 0  # planned against budget - margin: what earlier plans' estimates missed (``next_margin``)
+    # every decision node's chosen strategy per axis, (input placements, output placements): the plan the
+    # placements were chosen with, which the global planner re-planning the chosen layouts starts from
+    # (``solve_within``'s ``hint``)
+    strategies: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def lines(self) -> list[str]:
         budget = "no budget" if self.budget is None else f"budget {_fmt(self.budget)}"
@@ -394,20 +398,31 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         delta = (total - plan_cost(problem, flipped)) * UNIT
         entries += [AutoChoice(fqn, lay, saved, delta) for fqn in free[name]]
     greedy = {name: nv.greedy for name, nv in problem.nodes.items()}
+    strategies = {name: tuple((nv.axes[a][i].inputs, nv.axes[a][i].outputs) for a, i in enumerate(picks[name]))
+                  for name, nv in problem.nodes.items() if name not in free}
     report = AutoReport(tuple(entries), tuple(replicated), state(picks) + act, budget, act, total * UNIT,
-                        plan_cost(problem, greedy) * UNIT, time.perf_counter() - t0, margin=margin)
+                        plan_cost(problem, greedy) * UNIT, time.perf_counter() - t0, margin=margin,
+                        strategies=strategies)
     return {fqn: lay for name, lay in chosen.items() for fqn in free[name]}, report
 
 
-def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal) -> dict[str, tuple[int, ...]]:
+def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal, hint: Optional[dict] = None
+                 ) -> dict[str, tuple[int, ...]]:
     """The global planner's picks for ``problem`` (a graph whose parameters auto-sharding placed) with the
     liveness peak of its values within ``ctx.activation_room`` bytes (the ``_Activations`` rows), rank
     0's on every rank. Without these rows the planner re-plans the chosen parameter layouts for
     communication alone and may lay the activations out larger than the auto plan counted. When no plan
     keeps the peak within the room (or none is found in time), the plan without the rows: the result
-    is measured afterwards (``measure``)."""
+    is measured afterwards (``measure``).
+
+    ``hint`` (``AutoReport.strategies``): the strategies auto-sharding chose the layouts with. Its rounds
+    and pair moves reach plans that the planner's rounds, started from the greedy plan, do not (a change
+    that pays only on two axes at once); where every node of ``problem`` offers the hinted strategy, that
+    plan competes with the greedy one and the rounds start from it, so the program is never planned worse
+    than the plan the layouts were chosen for."""
     room = ctx.activation_room
     acts = _Activations(gm, problem, tuple(ctx.mesh.sizes))
+    start = _hinted_picks(problem, hint, illegal)
 
     def extend(m, x) -> None:
         acts.rows(m, x, m.var(0.0, False, 0.0, 0.0), 1.0 / max(room, 1), 1.0, max(room, 1) * SMALL)
@@ -415,13 +430,33 @@ def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal) -> dic
     def plan() -> dict[str, tuple[int, ...]]:
         try:
             return solve_problem(problem, illegal, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
-                                 admissible=lambda p: acts.peak(layouts(problem, p)) <= room)
+                                 admissible=lambda p: acts.peak(layouts(problem, p)) <= room, start=start)
         except ShardingError as e:
             if "found no plan" not in str(e):
                 raise
             return solve_problem(problem, illegal, gap=GAP, time_limit=TIME_LIMIT)
 
     return on_lead(plan, ctx.mesh, "the global planner within auto-sharding's budget")
+
+
+def _hinted_picks(problem, hint: Optional[dict], illegal) -> Optional[dict[str, tuple[int, ...]]]:
+    """``hint``'s strategies as choice indices of ``problem``; None when there is no hint, some decision node
+    has no hinted strategy among its choices, or the picks split a tensor illegally (``illegal``)."""
+    if not hint:
+        return None
+    picks = {}
+    for name, nv in problem.nodes.items():
+        want = hint.get(name)
+        if want is None or len(want) != len(nv.axes):
+            return None
+        idx = []
+        for axis, (ins, outs) in zip(nv.axes, want):
+            i = next((i for i, c in enumerate(axis) if c.inputs == ins and c.outputs == outs), None)
+            if i is None:
+                return None
+            idx.append(i)
+        picks[name] = tuple(idx)
+    return None if illegal(picks) else picks
 
 
 def complete_plan(traced: Traced, ctx: ShardContext, param_pls: dict[str, tuple[Pl, ...]], wants_grad: list[bool],

@@ -632,7 +632,8 @@ def _formulate(problem: Problem, context: dict[ValueKey, Layout], picks: dict[st
 
 def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, extend=None,
                   admissible=lambda picks: True, gap: float = 1e-6, time_limit: Optional[float] = None,
-                  patient: bool = False) -> dict[str, tuple[int, ...]]:
+                  patient: bool = False, start: Optional[dict[str, tuple[int, ...]]] = None
+                  ) -> dict[str, tuple[int, ...]]:
     """The chosen choice index per decision node and axis.
 
     Each MILP prices a value's change on one axis with its other axes as the previous plan laid them
@@ -648,7 +649,9 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     solve time on the ``fxshard.passes.solve`` logger (INFO). ``extend(model, x)`` adds columns and rows
     to each MILP (auto-sharding's memory budget); the greedy plan competes only if ``admissible(picks)``;
     ``gap`` is HiGHS's relative optimality gap; with ``time_limit`` (seconds per MILP) the best solution
-    found by then is taken (wall-clock: ranks may differ, the caller must make them agree).
+    found by then is taken (wall-clock: ranks may differ, the caller must make them agree). ``start``
+    (legal picks of every decision node, e.g. the plan auto-sharding chose its layouts with) competes
+    with the greedy plan when ``admissible``, and the first round prices from it where it costs less.
     """
     try:
         import numpy as np
@@ -663,6 +666,8 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     best = {name: nv.greedy for name, nv in problem.nodes.items()}
     greedy_cost = plan_cost(problem, best)
     best_cost = greedy_cost if admissible(best) else float("inf")
+    if start is not None and admissible(start) and plan_cost(problem, start) < best_cost:
+        best, best_cost = start, plan_cost(problem, start)
     prev, tried, stalled = best, 0, 0
     for _ in range(rounds if len(problem.sizes) > 1 else 1):
         m, x = _formulate(problem, layouts(problem, prev), prev)
