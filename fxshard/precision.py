@@ -61,14 +61,14 @@ def describe(state: Optional[AutocastState], device_type: str) -> str:
     return str(state) if state is not None else f"no autocast (for {device_type!r})"
 
 
-@contextlib.contextmanager
-def autocast_off(device_type: str) -> Iterator[None]:
-    """Autocast off for ``device_type`` in the block (nothing is entered when it is off already)."""
+def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """A context with autocast off for ``device_type`` (nothing is entered when it is off already). A plain
+    ``torch.autocast``/``nullcontext``, not a generator: TorchDynamo traces these where a ShardedModule's
+    forward is compiled (a generator context made it skip the frame and compile the pieces check's
+    collective instead)."""
     if not torch.is_autocast_enabled(device_type):
-        yield
-        return
-    with torch.autocast(device_type, enabled=False):
-        yield
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def check_autocast(where: str, device_type: str, traced: Optional[AutocastState]) -> None:
