@@ -93,6 +93,8 @@ def _render(value: Any, depth: int, seen: set[int]) -> str:
         return f"<module {_qualname(value)}>"
     if isinstance(value, DeviceMesh):
         return f"DeviceMesh({value.device_type}, {list(value.shape)}, {value.mesh_dim_names})"
+    if isinstance(value, torch.device):  # each rank's own GPU (cuda:LOCAL_RANK) is the same plan
+        return f"device({value.type})"
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
         return f"<{type(value).__name__} {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}>"
     if isinstance(value, types.MethodType):

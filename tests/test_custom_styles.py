@@ -195,3 +195,13 @@ def test_layouts_read_from_a_styles_hooks(mesh2):
     assert [b.placement for b in bounds["net1"][0].outputs] == [Shard(-1)]
     assert [b.placement for b in bounds["net2"][0].outputs] == [Shard(0)]
     assert set(resolve_plan(plan, model, info)) == {"net1.weight", "net1.bias", "net2.weight", "net2.bias"}
+
+
+def test_a_fingerprint_holds_the_device_type_not_the_ranks_device():
+    """A style holding its rank's own device (cuda:LOCAL_RANK on a GPU node) is the same plan on every rank."""
+    held = []
+    for i in range(2):
+        style = _Plain()
+        style.device = torch.device("cuda", i)
+        held.append(fingerprint({"n": style}, nn.Linear(2, 2), ())["plan entry 'n'"])
+    assert held[0] == held[1] and "device(cuda)" in held[0], held
