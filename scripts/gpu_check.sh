@@ -3,7 +3,8 @@
 #   bash scripts/gpu_check.sh            # on a machine with a GPU and torch installed (no set-up, no network)
 # Runs: versions and `import fxshard`; the GPU tests (pytest -m gpu tests/gpu); benchmarks/gpu_step.py at
 # Llama-3-8B layer shapes (tp=8 on the fake process group; under torchrun with several GPUs it uses NCCL).
-# Each part has its own time limit so one hang cannot eat the others; the exit code is the first failure's.
+# Each part has its own time limit so one hang cannot eat the others (together under 10 minutes, one device
+# call); the exit code is the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_logs}
@@ -21,8 +22,8 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
   [ "$rc" -eq 0 ] && [ "$r" -ne 0 ] && rc=$r
   return 0
 }
-part versions 120 "$PY" -c "import torch, fxshard; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'); print('fxshard', fxshard.__file__)"
-part gpu_tests 300 env OMP_NUM_THREADS=4 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -x --durations=10
-part gpu_step 330 "$PY" benchmarks/gpu_step.py --out "$OUT" ${GPU_STEP_ARGS:-}
+part versions 30 "$PY" -c "import torch, fxshard; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'); print('fxshard', fxshard.__file__)"
+part gpu_tests 240 env OMP_NUM_THREADS=4 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu -x --durations=10
+part gpu_step 300 "$PY" benchmarks/gpu_step.py --out "$OUT" ${GPU_STEP_ARGS:-}
 echo "gpu_check rc=$rc" | tee -a "$OUT/summary.txt"
 exit $rc
