@@ -42,5 +42,6 @@ stats = fxshard.comm_stats(sm)                      # the gradient all-reduce, i
 if rank == 0:
     print(f"loss {loss.item():.6f}; max |parameter - unsharded| after 3 SGD steps: {worst:.2e}")
     print(stats)
+dist.barrier()  # every rank done before the group is torn down
 dist.destroy_process_group()
 sys.exit(0 if worst < 1e-5 and "all_gather" not in stats["forward"] else 1)

@@ -25,4 +25,5 @@ for step in range(5):
 if torch.distributed.get_rank() == 0:
     print(f"loss {loss.item():.4f}", fxshard.comm_stats(sm))  # one all_reduce, in the forward
     print(fxshard.explain(sm))                  # every node's layout and local shape, every collective and why
+torch.distributed.barrier()                     # every rank done before the group is torn down
 torch.distributed.destroy_process_group()
