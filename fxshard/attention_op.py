@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
+from .precision import AUTOCAST_DEVICES
+
 aten = torch.ops.aten
 
 __all__ = ["ATTENTION", "ATTENTION_BACKWARD", "attention", "route_exported", "attention_as_one_op",
@@ -145,10 +147,9 @@ def _autocast_cast(dtype: torch.dtype) -> Any:
     return cast
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
 _AUTOCAST = torch.library.Library("fxshard", "IMPL")
-for _device_type, _key in (("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")):
-    _AUTOCAST.impl("attention", _autocast_kernel(_device_type), _key)
+for _device_type in AUTOCAST_DEVICES:
+    _AUTOCAST.impl("attention", _autocast_kernel(_device_type), f"Autocast{_device_type.upper()}")
 
 ATTENTION = torch.ops.fxshard.attention.default
 ATTENTION_BACKWARD = torch.ops.fxshard.attention_backward.default
@@ -200,7 +201,7 @@ def math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     kw: dict[str, Any] = {"scale": scale}
     if enable_gqa:
         kw["enable_gqa"] = True
-    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+    if device_type in AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
         cast = _autocast_cast(torch.get_autocast_dtype(device_type))
         with torch.autocast(device_type, enabled=False):
             return _MATH(cast(query), cast(key), cast(value), cast(attn_mask), dropout_p, is_causal, **kw)[0]

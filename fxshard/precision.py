@@ -24,6 +24,10 @@ import torch
 
 from .errors import ShardingError
 
+# The device types whose autocast fxshard follows: fxshard::attention has autocast kernels for them, and
+# export's autocast regions are watched for no_grad blocks on them (passes/trace.py).
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
 __all__ = ["AutocastState", "REDUCE_DTYPE", "autocast_off", "check_autocast", "describe"]
 
 # the dtype Partial sums of narrower floats are reduced in under autocast (as FSDP2's reduce_dtype=float32)

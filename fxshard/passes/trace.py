@@ -58,7 +58,7 @@ from ..errors import ShardingError
 from ..forward_state import forward_state_unchanged, warn_traced_hooks
 from ..fake_trace import fake_inputs, functional_make_fx, named_placeholders, reject_effect_tokens
 from ..ir import STOP_KEY, source_line
-from ..precision import AutocastState, autocast_off
+from ..precision import AUTOCAST_DEVICES, AutocastState, autocast_off
 from ..trace_by_op import by_op_enabled, forward_by_op
 from .simplify import drop_noop_clones
 from ..torch_compat import OpOverload, OpOverloadPacket, from_fun, has_data_mutation, has_metadata_mutation, to_fun
@@ -883,9 +883,6 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
 _DETACHING = {torch.Tensor.detach, torch.detach}
 
 
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 class _NoGradReadsRefused(TorchFunctionMode):
     """While a forward is exported: a ``torch.no_grad()`` region inside an enabled ``torch.autocast`` (shard()'s,
     or the model's own) that computes from a tensor needing a gradient raises a ShardingError. ``torch.export``
@@ -899,7 +896,7 @@ class _NoGradReadsRefused(TorchFunctionMode):
         out = func(*args, **kwargs)
         if torch.is_grad_enabled() or func in _DETACHING:
             return out
-        active = [AutocastState.current(d) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        active = [AutocastState.current(d) for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
         if (active and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out))
                 and any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs)))):
             raise ShardingError(
