@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _totals(sm, sizes: dict[str, int]) -> tuple[int, float]:
     from benchmarks.comm_at_scale import wire
-    from fxshard.inspect import collectives
+    from fxshard.report.inspect import collectives
 
     nbytes, w = 0, 0.0
     for prog in sm.sharding.programs:

@@ -326,9 +326,9 @@ def _module_of(node) -> str:
 
 def collect(sm) -> list[dict]:
     """Every collective of the sharded training step with where it comes from."""
-    from fxshard.collectives import COMM_KEY
-    from fxshard.passes.trace import source_line
-    from fxshard.registry import output_leaves
+    from fxshard.comm.collectives import COMM_KEY
+    from fxshard.tracing.export import source_line
+    from fxshard.rules.registry import output_leaves
 
     training = sm._training
     progs = {"forward": training.fwd, "backward": training.bwd}
@@ -396,7 +396,7 @@ def summarize(colls: list[dict], sizes: dict[str, int], bw: dict[str, float], al
 
 
 class _SolveLog(logging.Handler):
-    """Collects the ``fxshard.passes.solve`` records (problem size and solve time of each global plan)."""
+    """Collects the ``fxshard.planner.solve`` records (problem size and solve time of each global plan)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -421,7 +421,7 @@ def shard_once(model: str, cfg: dict, n_layers: int, batch: int, seq: int, impl:
     shape, names = ((d, t), ("dp", "tp")) if d > 1 else ((t,), ("tp",))
     marks: list[tuple[str, float]] = []
     log = _SolveLog()
-    logger = logging.getLogger("fxshard.passes.solve")
+    logger = logging.getLogger("fxshard.planner.solve")
     logger.addHandler(log)
     logger.setLevel(logging.INFO)
     with fake_world(d * t, shape=shape, names=names) as mesh:

@@ -8,12 +8,12 @@ each contender's local compute and framework overhead without the other rank's n
 
 A. Compute-only step time (forward + loss + backward + AdamW), interleaved rounds, medians:
    ``megatron`` (eager, fused kernels), ``fxshard``, both compiled as in ``step_time.py``
-   (``megatron-compiled``, ``fxshard-compiled``: inductor, ``fxshard.compile.INDUCTOR_OPTIONS``), and
+   (``megatron-compiled``, ``fxshard-compiled``: inductor, ``fxshard.frontends.backend.INDUCTOR_OPTIONS``), and
    three controls built from the *same* Megatron local program, traced into one joint forward+backward graph with
    ``make_fx`` (collectives stubbed out; AdamW applied to the returned gradients):
    ``megatron-graph``      — no decompositions (fused CPU kernels kept),
-   ``megatron-graph-fx``   — fxshard's joint table (``fxshard.passes.trace.joint_decomposition_table()``,
-   exactly what ``fxshard.passes.joint.trace_joint`` uses: core ATen minus the fused kernels that
+   ``megatron-graph-fx``   — fxshard's joint table (``fxshard.tracing.export.joint_decomposition_table()``,
+   exactly what ``fxshard.tracing.joint.trace_joint`` uses: core ATen minus the fused kernels that
    have sharding rules, ``FUSED_FORWARD`` + ``FUSED_BACKWARD``),
    ``megatron-graph-core`` — everything to core ATen (``core_aten_decompositions()`` +
    ``decomposition_table()``: what fxshard traced with before issue 7).
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
 
     import benchmarks.megatron as meg
     from benchmarks.step_time import CONFIG, build
-    from fxshard.passes.trace import decomposition_table, joint_decomposition_table
+    from fxshard.tracing.export import decomposition_table, joint_decomposition_table
 
     t_start = time.perf_counter()
     info = machine()

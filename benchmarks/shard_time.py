@@ -184,10 +184,10 @@ def toy(rounds: int) -> dict:
 
 
 def timed_pipeline(acc: dict[str, float]):
-    """``fxshard.pipeline.DEFAULT`` with every pass's wall time added to ``acc[pass name]``."""
+    """``fxshard.passes.pipeline.DEFAULT`` with every pass's wall time added to ``acc[pass name]``."""
     import dataclasses
 
-    from fxshard.pipeline import DEFAULT, Pipeline
+    from fxshard.passes.pipeline import DEFAULT, Pipeline
 
     def wrap(p):
         def fn(gm, ctx):
@@ -288,7 +288,7 @@ def hf_once(arch: str, mesh, planner: str) -> dict:
             if hasattr(record, "fxshard_solve"):
                 milps.append(record.fxshard_solve)
 
-    log = logging.getLogger("fxshard.passes.solve")
+    log = logging.getLogger("fxshard.planner.solve")
     handler, level = Solves(), log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)

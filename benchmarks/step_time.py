@@ -25,7 +25,7 @@ sliced by hand, explicit collectives in autograd pairs; + DDP on the 2x2 mesh), 
 (``bucket_mb=None``: one gradient all-reduce per parameter; the greedy planner, for the same plan), ``fxshard-nooverlap`` in every case
 (``pipeline=DEFAULT.without("overlap")``: collectives not scheduled for overlap), and in the cases marked compiled
 ``fxshard-compiled`` / ``megatron-compiled`` (``torch.compile`` of the same modules, inductor with
-``fxshard.compile.INDUCTOR_OPTIONS``: no peak-memory reordering, which would undo fxshard's overlap schedule).
+``fxshard.frontends.backend.INDUCTOR_OPTIONS``: no peak-memory reordering, which would undo fxshard's overlap schedule).
 
 Method: each case builds its contenders from seed 0, runs 2 steps (warm-up and compilation; their
 losses must agree), then ``--rounds`` rounds; a round runs every contender for ``--steps`` steps
@@ -152,7 +152,7 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
         if name.endswith("-nobucket"):  # the same plan, one all-reduce per gradient; left to the global planner,
             kw.update(bucket_mb=None, planner="greedy")  # a latency per gradient makes it gather the batch
         if name.endswith("-nooverlap"):
-            from fxshard.pipeline import DEFAULT
+            from fxshard.passes.pipeline import DEFAULT
             kw["pipeline"] = DEFAULT.without("overlap")
         mod = fxshard.shard(model, mesh, plan_for(case.plan), example_inputs=example if inside else example[:1], **kw)
     elif base == "dtensor":
@@ -166,7 +166,7 @@ def build(name: str, case: Case, mesh, cfg: dict, example):
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
     run = mod
     if name.endswith("-compiled"):  # both compiled contenders: inductor with the options that keep fxshard's
-        from fxshard.compile import INDUCTOR_OPTIONS  # overlap schedule (no peak-memory reordering)
+        from fxshard.frontends.backend import INDUCTOR_OPTIONS  # overlap schedule (no peak-memory reordering)
 
         run = torch.compile(mod, options=dict(INDUCTOR_OPTIONS))
     # fxshard's gradients are those of the global-batch mean loss; DDP averages the dp ranks' local

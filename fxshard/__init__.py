@@ -3,22 +3,22 @@
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from . import rules as _rules  # noqa: F401  (registers every op rule)
-from .api import shard
-from .compile import backend, backend_options
-from .constrain import constrain
-from .custom_grads import allow_autograd_function
-from .errors import ShardingError
-from .hf import from_hf
-from .inspect import comm_stats, explain
-from .jit import ShardedFunction, jit
-from .loss import loss_parallel
-from .memory import memory
-from .mesh import init_mesh
-from .optim_state import load_optim_state_dict, optim_state_dict
-from .module import ShardedModule
-from .placements import P, Packed
-from .tiled_init import tiled_init
-from .styles import (
+from .frontends.shard import shard
+from .frontends.backend import backend, backend_options
+from .plans.constrain import constrain
+from .tracing.custom_grads import allow_autograd_function
+from .core.errors import ShardingError
+from .plans.hf import from_hf
+from .report.inspect import comm_stats, explain
+from .frontends.jit import ShardedFunction, jit
+from .frontends.loss import loss_parallel
+from .analysis.liveness import memory
+from .core.mesh import init_mesh
+from .state.optim_state import load_optim_state_dict, optim_state_dict
+from .runtime.module import ShardedModule
+from .core.placements import P, Packed
+from .state.tiled_init import tiled_init
+from .plans.styles import (
     ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
     SequenceParallel,
 )

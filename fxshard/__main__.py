@@ -1,7 +1,7 @@
-"""``python -m fxshard``: the command line (see fxshard.cli)."""
+"""``python -m fxshard``: the command line (see fxshard.frontends.cli)."""
 
 import sys
 
-from .cli import main
+from .frontends.cli import main
 
 sys.exit(main())

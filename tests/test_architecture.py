@@ -93,14 +93,14 @@ def test_cycle_finder_finds_a_cycle():
 
 def test_no_import_cycle_inside_fxshard():
     graph = import_graph()
-    assert "fxshard.passes.propagate" in graph and graph["fxshard.passes.propagate"]
+    assert "fxshard.planner.propagate" in graph and graph["fxshard.planner.propagate"]
     cycle = find_cycle(graph)
     assert not cycle, " -> ".join(cycle)
 
 
 def pass_modules() -> set[str]:
-    """The modules that hold the function of a pipeline stage (every ``Pass`` in ``fxshard.pipeline``)."""
-    from fxshard import pipeline
+    """The modules that hold the function of a pipeline stage (every ``Pass`` in ``fxshard.passes.pipeline``)."""
+    from fxshard.passes import pipeline
 
     return {p.fn.__module__ for p in vars(pipeline).values() if isinstance(p, pipeline.Pass)}
 
@@ -112,17 +112,17 @@ def pass_imports(graph: dict[str, set[str]], passes: set[str]) -> list[tuple[str
 
 
 def test_pass_import_finder_finds_one():
-    graph = {"fxshard.passes.a": {"fxshard.passes.b", "fxshard.ir"}, "fxshard.passes.b": {"fxshard.ir"},
-             "fxshard.pipeline": {"fxshard.passes.a"}}
+    graph = {"fxshard.passes.a": {"fxshard.passes.b", "fxshard.core.ir"}, "fxshard.passes.b": {"fxshard.core.ir"},
+             "fxshard.passes.pipeline": {"fxshard.passes.a"}}
     assert pass_imports(graph, {"fxshard.passes.a", "fxshard.passes.b"}) == [("fxshard.passes.a", "fxshard.passes.b")]
     assert pass_imports(graph, {"fxshard.passes.a"}) == []
 
 
 def test_passes_do_not_import_each_other():
     passes = pass_modules()
-    assert {"fxshard.passes.propagate", "fxshard.passes.solve", "fxshard.passes.emit"} <= passes
+    assert {"fxshard.planner.propagate", "fxshard.planner.solve", "fxshard.passes.emit"} <= passes
     bad = pass_imports(import_graph(), passes)
-    assert not bad, "; ".join(f"{m} imports the pass {t}: move what they share into fxshard/ir.py or the registry"
+    assert not bad, "; ".join(f"{m} imports the pass {t}: move what they share into fxshard/core/ir.py or the registry"
                               for m, t in bad)
 
 

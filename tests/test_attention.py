@@ -1,4 +1,4 @@
-"""Attention as one device-neutral node (``fxshard/attention_op.py``): ``F.scaled_dot_product_attention`` is
+"""Attention as one device-neutral node (``fxshard/ops/attention.py``): ``F.scaled_dot_product_attention`` is
 ``fxshard::attention`` (backward ``fxshard::attention_backward``) in every fxshard graph, split over batch or
 heads, whatever device the model was traced on (meta included); every form matches eager on 2 gloo ranks."""
 
@@ -14,9 +14,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import fxshard
 from fxshard import P, models
-from fxshard.attention_op import ATTENTION, ATTENTION_BACKWARD
-from fxshard.ir import STRATEGY_KEY
-from fxshard.placements import Part, R, S
+from fxshard.ops.attention import ATTENTION, ATTENTION_BACKWARD
+from fxshard.core.ir import STRATEGY_KEY
+from fxshard.core.placements import Part, R, S
 from tests.dist_utils import run_ranks
 
 aten = torch.ops.aten
@@ -183,7 +183,7 @@ def test_attention_without_dropout_is_not_random():
 
 def test_meta_traced_graph_is_device_neutral_and_runs_on_cpu():
     """The global graph traced on the meta device names no device's kernel and runs (here on CPU) as eager."""
-    from fxshard.passes.trace import trace_forward
+    from fxshard.tracing.export import trace_forward
 
     ref = _model("learned_mask")
     with torch.device("meta"):
@@ -200,9 +200,9 @@ def test_meta_traced_graph_is_device_neutral_and_runs_on_cpu():
 
 def test_the_global_planner_prices_attention_work():
     """Replicated attention (every rank computing every head) is not free to the planner."""
-    from fxshard.passes.joint import trace_joint
-    from fxshard.passes.solve import _flops
-    from fxshard.passes.trace import trace_forward
+    from fxshard.tracing.joint import trace_joint
+    from fxshard.planner.solve import _flops
+    from fxshard.tracing.export import trace_forward
 
     traced = trace_forward(_model("gqa_enable"), (torch.randn(B, T, D),), {})
     joint = trace_joint(traced, traced.gm, [s.kind == "param" for s in traced.slots])

@@ -1,4 +1,4 @@
-"""Auto-sharding (``fxshard.shard(..., auto=True, memory_budget=...)``, fxshard/auto.py): plans on the fake
+"""Auto-sharding (``fxshard.shard(..., auto=True, memory_budget=...)``, fxshard/planner/auto.py): plans on the fake
 process group, numerics of auto-chosen plans against the unsharded model on 2 gloo ranks and on a 2x2 (dp, tp)
 mesh of 4."""
 
@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import fxshard
-from fxshard import P, ShardingError, milp
-from fxshard.auto import parse_budget
-from fxshard.consistency import on_lead
-from fxshard.mesh import MeshInfo
-from fxshard.placements import R, S
+from fxshard import P, ShardingError
+from fxshard.planner import milp
+from fxshard.planner.auto import parse_budget
+from fxshard.comm.consistency import on_lead
+from fxshard.core.mesh import MeshInfo
+from fxshard.core.placements import R, S
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -46,7 +47,7 @@ def _auto_head(mesh, budget):
 def test_auto_prices_gradients_as_the_bucket_pass_will_send_them(fake_mesh, monkeypatch):
     """Auto-sharding's MILP plans the training graph with shard()'s bucket_mb, so a bucketed gradient's
     reduction pays its share of a bucket's latency there too (as when the completed plan is sharded)."""
-    import fxshard.auto as auto
+    import fxshard.planner.auto as auto
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     seen, real = [], auto.choose_placements
@@ -136,10 +137,10 @@ def test_llama_auto_fits_a_budget_replication_does_not(fake_mesh, caplog, monkey
     reach cost 1.0507 in the 2nd and then cycle among plans within 3e-7 of it (the greedy tie-break):
     they stop after two such rounds, not at the 6-round limit. (Each of those MILPs takes ~20 s on a quiet
     machine; the time limit is raised so that a loaded one cannot stop a MILP early and change the rounds.)"""
-    import fxshard.auto
+    import fxshard.planner.auto
 
-    monkeypatch.setattr(fxshard.auto, "TIME_LIMIT", 900.0)
-    caplog.set_level(logging.INFO, logger="fxshard.passes.solve")
+    monkeypatch.setattr(fxshard.planner.auto, "TIME_LIMIT", 900.0)
+    caplog.set_level(logging.INFO, logger="fxshard.planner.solve")
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     tokens = torch.zeros(4, 16, dtype=torch.long)
     with torch.device("meta"):
@@ -307,8 +308,8 @@ def test_program_is_planned_from_the_plan_the_layouts_were_chosen_with(fake_mesh
     dp, which its pair moves reached; re-planned, the table was all-gathered over dp, 1.12x the hand plan's
     wire bytes). The re-planning starts from that plan (``solve_within``'s hint): here its MILPs are made to
     return the greedy plan, and the program is still planned at the auto plan's cost."""
-    import fxshard.auto as auto
-    from fxshard.passes.solve import UNIT, plan_cost
+    import fxshard.planner.auto as auto
+    from fxshard.planner.solve import UNIT, plan_cost
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     real, final = auto.solve_within, []
@@ -326,7 +327,7 @@ def test_program_is_planned_from_the_plan_the_layouts_were_chosen_with(fake_mesh
                                                                             problem.nodes.items()}) * UNIT))
         return picks
 
-    monkeypatch.setattr(fxshard.api, "solve_within", within)
+    monkeypatch.setattr(fxshard.frontends.shard, "solve_within", within)
     head, _ = _head()
     sm = _auto_head(mesh, _head_bytes(head) * 3 // 4)
     report = sm.sharding.auto
@@ -343,7 +344,7 @@ def test_llama_8b_shapes_auto_comm_within_the_hand_plan(fake_mesh):
     alone settle on the embedding hidden-split over dp (its 2 GiB gradient reduce-scattered over dp, 1.92x
     the hand plan's wire bytes), since reaching the vocab split over tp changes two axes at once."""
     from benchmarks.comm_at_scale import DECODER, megatron_plan, wire
-    from fxshard.inspect import collectives
+    from fxshard.report.inspect import collectives
 
     mesh = fake_mesh(64, shape=(8, 8), names=("dp", "tp"))
     sizes = {"dp": 8, "tp": 8}

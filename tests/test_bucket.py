@@ -12,12 +12,12 @@ import torch.nn as nn
 
 import fxshard
 from fxshard import P
-from fxshard.collectives import COMM_KEY
-from fxshard.compile import overlap_report
-from fxshard.module import local_slice
+from fxshard.comm.collectives import COMM_KEY
+from fxshard.frontends.backend import overlap_report
+from fxshard.runtime.module import local_slice
 from fxshard.passes.bucket import bucket_gradients, plan_buckets
-from fxshard.collectives import all_reduce_into_input
-from fxshard.pipeline import BUCKET, DEFAULT, Pipeline
+from fxshard.comm.collectives import all_reduce_into_input
+from fxshard.passes.pipeline import BUCKET, DEFAULT, Pipeline
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_mesh2d import transformer_specs

@@ -12,8 +12,8 @@ import torch
 
 import fxshard
 from fxshard import P, PrepareModuleInputOutput
-from fxshard.ir import COMM_KEY, INSERTED_KEY, META_KEY
-from fxshard.placements import Part, S
+from fxshard.core.ir import COMM_KEY, INSERTED_KEY, META_KEY
+from fxshard.core.placements import Part, S
 from torch.distributed.tensor import Replicate
 from tests import models
 from tests.test_training import llama_megatron_plan
@@ -40,7 +40,7 @@ def _shard_llama(fake_mesh, vocab: int, planner: str = "greedy", fsdp: bool = Fa
 
 
 def _collectives(sm, label: str) -> list[dict]:
-    return [c for prog in sm._programs() if prog.label == label for c in fxshard.inspect.collectives(prog)]
+    return [c for prog in sm._programs() if prog.label == label for c in fxshard.report.inspect.collectives(prog)]
 
 
 @pytest.mark.parametrize("math", [False, True], ids=["attention_node", "math"])

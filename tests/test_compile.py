@@ -13,8 +13,8 @@ import torch
 
 import fxshard
 from fxshard import ColwiseParallel, RowwiseParallel
-from fxshard.compile import overlap, overlap_report
-from fxshard.module import local_slice
+from fxshard.frontends.backend import overlap, overlap_report
+from fxshard.runtime.module import local_slice
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
@@ -359,7 +359,7 @@ def test_inductor_keeps_the_overlap_schedule(mesh2):
 def test_sharded_module_compile_arguments(mesh2, monkeypatch):
     """``sm.compile`` hands inductor ``mode``'s options, then INDUCTOR_OPTIONS, then the caller's; the
     default backend (``None``) counts as inductor; other backends get the arguments unchanged."""
-    from fxshard.compile import INDUCTOR_OPTIONS
+    from fxshard.frontends.backend import INDUCTOR_OPTIONS
 
     sm = fxshard.shard(models.ToyModel(16, 32), mesh2, TOY_PLAN, example_inputs=(torch.randn(4, 16),))
     seen = []

@@ -1,6 +1,6 @@
 """Gradients the model's own code defines must reach the sharded backward or fail loudly.
 
-fxshard exports the forward and derives the backward itself (``fxshard/custom_grads.py``). On 2 gloo
+fxshard exports the forward and derives the backward itself (``fxshard/tracing/custom_grads.py``). On 2 gloo
 ranks (one ``run_ranks`` call), against the unsharded model on the same process, forward values and every
 full gradient:
 

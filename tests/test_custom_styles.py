@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_mod
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 import fxshard
-from fxshard.consistency import fingerprint
+from fxshard.comm.consistency import fingerprint
 from fxshard.models import LlamaDecoder, make_tokens
 from tests.models import ToyModel
 from tests.dist_utils import run_ranks
@@ -183,8 +183,8 @@ def test_fingerprint_names_what_differs_in_an_object_without_repr():
 
 def test_layouts_read_from_a_styles_hooks(mesh2):
     """The layouts a style's hooks produce, on the fake process group: a Shard counted from the end stays so."""
-    from fxshard.mesh import MeshInfo
-    from fxshard.plan import resolve_boundaries, resolve_plan
+    from fxshard.core.mesh import MeshInfo
+    from fxshard.plans.plan import resolve_boundaries, resolve_plan
     from torch.distributed.tensor import Shard
 
     model, info = ToyModel(16, 32), MeshInfo.of(mesh2)

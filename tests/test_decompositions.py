@@ -6,7 +6,7 @@ std / std_mean of a constant row; binary_cross_entropy of a saturated sigmoid), 
 (hardswish / hardsigmoid at +-3) or without eager's clamps (binary_cross_entropy, log_ndtr). torch's
 decomposition of multilabel_margin_loss counted the target slots after the first -1 (loss 57.04 for
 eager's 2.54), and multi_margin_loss's passed a gradient through hinge terms that are exactly 0.
-``passes/trace.py::EAGER_DERIVATIVE`` keeps the first kind whole (eager's kernel, eager's derivative
+``tracing/export.py::EAGER_DERIVATIVE`` keeps the first kind whole (eager's kernel, eager's derivative
 formula, a sharding rule each); the margin losses get decompositions whose autodiff is eager's
 (``_ABOVE_AUTOGRAD``: torch decomposes them above autograd; ``fxshard.jit`` calls them through
 ``margin_losses_as_eager``).
@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import P
-from fxshard.passes.trace import EAGER_DERIVATIVE, _multi_margin_loss, _multilabel_margin_loss_forward, \
+from fxshard.tracing.export import EAGER_DERIVATIVE, _multi_margin_loss, _multilabel_margin_loss_forward, \
     decomposition_table, joint_decomposition_table
-from fxshard.registry import lookup
-from fxshard.rules import validate
+from fxshard.rules.registry import lookup
+from fxshard.devtools import validate
 from tests.dist_utils import run_ranks
 
 aten = torch.ops.aten
@@ -283,7 +283,7 @@ def test_multi_margin_loss_decomposition_is_eagers(shape, weighted, reduction):
 def test_margin_losses_as_eager_binds_every_call_form_as_torch():
     """The mode fxshard.jit traces under: keyword calls of the torch._C._nn builtins, weight, p, legacy
     size_average, and what torch rejects (p=3, a 2-D weight) raises as in eager."""
-    from fxshard.passes.trace import margin_losses_as_eager
+    from fxshard.tracing.export import margin_losses_as_eager
 
     torch.manual_seed(0)
     x, t, w = torch.randn(4, 6), torch.tensor([1, 0, 5, 2]), torch.rand(6)

@@ -6,9 +6,9 @@ import torch
 import torch.distributed as dist
 
 import fxshard
-import fxshard.mesh as mesh_mod
-from fxshard.context import ShardContext
-from fxshard.mesh import MeshInfo
+import fxshard.core.mesh as mesh_mod
+from fxshard.core.context import ShardContext
+from fxshard.core.mesh import MeshInfo
 from fxshard.passes.localize import runtime_device
 
 

@@ -44,7 +44,7 @@ def _dirty_state(rank: int, world_size: int) -> None:
     # a subgroup, as a 2-D mesh makes, and a shorter default-group timeout, as init_mesh(timeout=...) sets
     dist.new_group(ranks=list(range(world_size)))
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=5))
-    import fxshard.passes.propagate as propagate
+    import fxshard.planner.propagate as propagate
 
     propagate._WARNED.set(propagate._WARNED.get() | {"aten.flip.default"})
 
@@ -54,7 +54,7 @@ def _warn_here() -> None:
 
 
 def _fresh_state(rank: int, world_size: int) -> dict:
-    import fxshard.passes.propagate as propagate
+    import fxshard.planner.propagate as propagate
 
     with warnings.catch_warnings(record=True) as caught:
         _warn_here()  # the default filters show it: nothing recorded it before

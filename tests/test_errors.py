@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 
 import fxshard
-import fxshard.api
-import fxshard.passes.propagate as propagate_mod
+import fxshard.frontends.shard
+import fxshard.planner.propagate as propagate_mod
 from fxshard import ColwiseParallel, P, RowwiseParallel, Shard, ShardingError
-from fxshard import registry
-from fxshard.registry import lookup
+from fxshard.rules import registry
+from fxshard.rules.registry import lookup
 from tests import models
 from tests.dist_utils import run_ranks
 
@@ -54,7 +54,7 @@ def no_tracing(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("traced before the plan was checked")
 
-    monkeypatch.setattr(fxshard.api, "trace_forward", boom)
+    monkeypatch.setattr(fxshard.frontends.shard, "trace_forward", boom)
 
 
 # ----------------------------------------------------------------------------- plan entries

@@ -123,7 +123,7 @@ def _hf_use_cache_false(rank: int, world: int) -> dict:
 
 def test_hf_model_trains_with_use_cache_false_passed_as_a_keyword():
     pytest.importorskip("transformers")
-    from fxshard.placements import S
+    from fxshard.core.placements import S
 
     res = run_ranks(_hf_use_cache_false, 2, timeout=400)
     for rank, r in enumerate(res):
@@ -161,10 +161,10 @@ def test_cli_plan_hf_and_a_seq_past_the_model_maximum():
 
 
 def test_help_shows_a_short_default_pipeline():
-    from fxshard.pipeline import DEFAULT
+    from fxshard.passes.pipeline import DEFAULT
 
     for fn in (fxshard.shard, fxshard.jit):
         sig = str(inspect.signature(fn))
-        assert "pipeline: 'Pipeline' = fxshard.pipeline.DEFAULT" in sig and len(sig) < 1200, sig
+        assert "pipeline: 'Pipeline' = fxshard.passes.pipeline.DEFAULT" in sig and len(sig) < 1200, sig
     assert repr(DEFAULT.without("overlap")) == \
         "Pipeline(propagate, solve, redistribute, localize, emit, bucket, inplace)"

@@ -1,4 +1,4 @@
-"""Python state the forward changes must not silently stop changing (``fxshard/forward_state.py``).
+"""Python state the forward changes must not silently stop changing (``fxshard/tracing/forward_state.py``).
 
 Measured before the check: a model whose forward counts its calls in a plain attribute and scales its
 output by the count's parity matched eager on the first call and differed by 0.88 on the second

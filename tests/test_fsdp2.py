@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fxshard
-from fxshard.module import local_slice
+from fxshard.runtime.module import local_slice
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
@@ -81,7 +81,7 @@ class _DpSetup:
 def _ddp_run(mesh) -> dict:
     """torch DDP over dp around a module fxshard sharded on tp: 3 SGD steps against the unsharded model. DDP
     writes the averaged gradients after the backward's last hook: no gradient-changed-in-place warning
-    (``fxshard/grad_guard.py`` records the gradients after DDP's writes)."""
+    (``fxshard/state/grad_guard.py`` records the gradients after DDP's writes)."""
     d = _DpSetup(mesh)
     sm = d.shard(d.model)
     with warnings.catch_warnings(record=True) as seen:

@@ -1,7 +1,7 @@
 """Fused CPU kernels kept out of the decompositions (issue 7): their rules, their graphs, their numbers.
 
 * Every strategy the rules of the kept kernels admit is checked against the unsharded op on real
-  tensors by the rule validator (``fxshard.rules.validate``): each simulated rank runs the localized
+  tensors by the rule validator (``fxshard.devtools.validate``): each simulated rank runs the localized
   op on its local pieces and the pieces of the outputs must reassemble the global outputs.
 * The traced training graphs keep the fused kernels (no attention, layer-norm or GELU pieces).
 * Clean-up passes (no-op clones, view chains, traced layouts) keep values and work on 2-D meshes.
@@ -22,12 +22,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxshard
 from fxshard import P
-from fxshard.passes.propagate import STRATEGY_KEY
-from fxshard.passes.simplify import drop_noop_clones, fold_views
-from fxshard.passes.trace import FUSED_BACKWARD, FUSED_FORWARD, joint_decomposition_table, trace_forward
-from fxshard.placements import Part, R, S
-from fxshard.registry import lookup
-from fxshard.rules import validate
+from fxshard.planner.propagate import STRATEGY_KEY
+from fxshard.tracing.simplify import drop_noop_clones, fold_views
+from fxshard.tracing.export import FUSED_BACKWARD, FUSED_FORWARD, joint_decomposition_table, trace_forward
+from fxshard.core.placements import Part, R, S
+from fxshard.rules.registry import lookup
+from fxshard.devtools import validate
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan
@@ -41,7 +41,7 @@ PS = Part("sum")
 
 
 def numerics(node: fx.Node, *tensors: torch.Tensor) -> int:
-    """How many strategies of ``node``'s rule the validator (``fxshard.rules.validate``) checked on 2
+    """How many strategies of ``node``'s rule the validator (``fxshard.devtools.validate``) checked on 2
     simulated ranks against the unsharded op; fails on any mismatch."""
     checked, bad = validate.check_node(node, tensors)
     assert not bad, [f"{m.strategy}: {m.error}" for m in bad]

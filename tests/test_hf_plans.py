@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fxshard
 from fxshard import ColwiseParallel, P, Packed, RowwiseParallel, ShardingError
-from fxshard.hf import TRANSLATIONS
+from fxshard.plans.hf import TRANSLATIONS
 
 pytest.importorskip("transformers")
 

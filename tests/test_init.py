@@ -1,6 +1,6 @@
 """``init_parameters`` on a meta-built model (2 gloo ranks, one pooled call).
 
-* tiled (default): the sharded model's full state dict equals ``fxshard.tiled_init`` of the unsharded model
+* tiled (default): the sharded model's full state dict equals ``fxshard.state.tiled_init`` of the unsharded model
   (1 process vs 2 ranks: the values do not depend on the mesh), and so do its loss and gradients; tiles
   cross shard boundaries (vocab 600 vs 512-row tiles);
 * tiled memory: a 512 MiB parameter initializes with peak RSS growth far below its size (one tile at a
@@ -20,8 +20,8 @@ import torch.nn as nn
 
 import fxshard
 from fxshard import ColwiseParallel, ShardingError
-from fxshard.checkpoint import Piece
-from fxshard.tiled_init import fill
+from fxshard.state.checkpoint import Piece
+from fxshard.state.tiled_init import fill
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_training import llama_megatron_plan

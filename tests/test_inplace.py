@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fxshard.collectives import all_reduce_into_input
-from fxshard.ir import COMM_KEY
+from fxshard.comm.collectives import all_reduce_into_input
+from fxshard.core.ir import COMM_KEY
 from fxshard.passes.inplace import inplace_pass
-from fxshard.pipeline import DEFAULT
+from fxshard.passes.pipeline import DEFAULT
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -17,11 +17,11 @@ from torch.func import functional_call, grad_and_value
 
 import fxshard
 from fxshard import P, Shard
-from fxshard.captured import captured_scalars, check_captured
-from fxshard.inspect import collectives
-from fxshard.mesh import MeshInfo
-from fxshard.module import local_slice
-from fxshard.plan import to_placements
+from fxshard.tracing.captured import captured_scalars, check_captured
+from fxshard.report.inspect import collectives
+from fxshard.core.mesh import MeshInfo
+from fxshard.runtime.module import local_slice
+from fxshard.plans.plan import to_placements
 from tests import models
 from tests.dist_utils import run_ranks
 

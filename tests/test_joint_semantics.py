@@ -615,8 +615,8 @@ class _InfiniteBranches(nn.Module):
 def test_gradients_where_a_decomposition_has_an_infinite_branch_match_eager():
     """Rows of -inf in ``_safe_softmax`` and very negative ``log_ndtr`` inputs: the decomposed forward's
     unselected branch is infinite there, and its zero gradient must not become NaN (eager's is finite)."""
-    from fxshard.passes.joint import trace_joint
-    from fxshard.passes.trace import trace_forward
+    from fxshard.tracing.joint import trace_joint
+    from fxshard.tracing.export import trace_forward
 
     x = torch.randn(2, 3, 4)
     x[0, :, 1] = x[1, 0, :] = x[1, :, 2] = float("-inf")
@@ -634,8 +634,8 @@ def test_gradients_where_a_decomposition_has_an_infinite_branch_match_eager():
 
 def test_joint_graph_is_functional(mesh2):
     """No in-place op is left for CSE and the passes to misread (what broke max/min gradients)."""
-    from fxshard.passes.joint import trace_joint
-    from fxshard.passes.trace import trace_forward
+    from fxshard.tracing.joint import trace_joint
+    from fxshard.tracing.export import trace_forward
 
     model = MaxMin()
     traced = trace_forward(model, (torch.randn(10, 6),), {})
@@ -650,9 +650,9 @@ def test_joint_graph_is_functional(mesh2):
 def test_attention_with_a_learned_mask_stays_one_node(learned):
     """fxshard::attention_backward differentiates the mask too: a learned mask keeps attention one node
     (CPU's fused kernel, whose backward has no mask gradient, was decomposed to the math form)."""
-    from fxshard.attention_op import ATTENTION, ATTENTION_BACKWARD
-    from fxshard.passes.joint import trace_joint
-    from fxshard.passes.trace import trace_forward
+    from fxshard.ops.attention import ATTENTION, ATTENTION_BACKWARD
+    from fxshard.tracing.joint import trace_joint
+    from fxshard.tracing.export import trace_forward
 
     traced = trace_forward(LearnedMask(learned), (torch.randn(2, 6, 16),), {})
     assert ATTENTION in {n.target for n in traced.gm.graph.nodes}
@@ -664,7 +664,7 @@ def test_attention_with_a_learned_mask_stays_one_node(learned):
 
 def test_index_put_with_a_boolean_mask_splits_no_dim_the_mask_covers():
     """``h.index_put((h < c,), v)`` (a boolean-mask write) indexes as many dims as the mask has."""
-    from fxshard.placements import R, S
+    from fxshard.core.placements import R, S
     from tests.test_rules import node_of, strategies
 
     def put(x, m, v):

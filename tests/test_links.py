@@ -8,8 +8,8 @@ import torch
 
 import fxshard
 from fxshard import P, ShardingError
-from fxshard.cost import ALPHA, INTER_NODE, INTRA_NODE, UNIFORM, Link, crosses_nodes, links, transition_cost
-from fxshard.placements import R, S
+from fxshard.planner.cost import ALPHA, INTER_NODE, INTRA_NODE, UNIFORM, Link, crosses_nodes, links, transition_cost
+from fxshard.core.placements import R, S
 
 
 def test_links_from_bandwidth_and_latency():
@@ -54,8 +54,8 @@ def test_both_planners_price_each_step_on_its_axis_link(fake_mesh, monkeypatch):
     """shard() hands the links to the planners (``MeshInfo.links``): the global planner's price of a layout
     change and the greedy sweep's per-axis price both scale with the axis's link, and torchrun's node layout
     sets the default."""
-    from fxshard.cost import axis_link, linked_mesh_info
-    from fxshard.passes.solve import price
+    from fxshard.planner.cost import axis_link, linked_mesh_info
+    from fxshard.planner.solve import price
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # dp spans nodes

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import P
-from fxshard.inspect import collectives
+from fxshard.report.inspect import collectives
 from tests.dist_utils import run_ranks
 
 TOL = 1e-5

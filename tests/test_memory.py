@@ -79,7 +79,7 @@ def test_a_collective_holds_its_input_until_it_is_waited_for():
     an op after it (``y2``) runs without ``x``."""
     import torch.fx as fx
 
-    from fxshard.memory import liveness_peak
+    from fxshard.analysis.liveness import liveness_peak
 
     c10d = torch.ops._c10d_functional
     g = fx.Graph()
@@ -202,7 +202,7 @@ def test_meta_model_loads_only_its_slices(sharded_dir):
 
 
 def test_backward_peak_does_not_count_saved_parameters_twice(mesh2):
-    from fxshard.memory import _saved_state, program_peak
+    from fxshard.analysis.liveness import _saved_state, program_peak
 
     model = models.ToyModel(16, 4096)
     sm = fxshard.shard(model, mesh2, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},

@@ -9,8 +9,8 @@ import copy
 import torch
 
 import fxshard
-from fxshard.ir import META_KEY
-from fxshard.spec import fmt_placements
+from fxshard.core.ir import META_KEY
+from fxshard.core.spec import fmt_placements
 from fxshard import P
 from tests import models
 from tests.dist_utils import run_ranks

@@ -1,4 +1,4 @@
-"""fxshard.milp: the planner's MILPs run in a child process; a crash there is retried once, then a ShardingError."""
+"""fxshard.planner.milp: the planner's MILPs run in a child process; a crash there is retried once, then a ShardingError."""
 
 import logging
 import os
@@ -10,8 +10,8 @@ import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp as scipy_milp
 from scipy.sparse import csr_array
 
-from fxshard import milp
-from fxshard.errors import ShardingError
+from fxshard.planner import milp
+from fxshard.core.errors import ShardingError
 
 
 def _assignment(n: int = 12, seed: int = 0) -> dict:
@@ -90,7 +90,7 @@ def test_a_solve_while_another_child_is_busy_gets_a_child_of_its_own(fresh_child
 def test_a_solver_crash_is_solved_again_in_a_new_process_with_presolve_off(fresh_child, tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(milp, "_command", lambda: _crashing_child(tmp_path, 1))
     p = _assignment(seed=2)
-    with caplog.at_level(logging.WARNING, logger="fxshard.milp"):
+    with caplog.at_level(logging.WARNING, logger="fxshard.planner.milp"):
         got = milp.solve(**p, options={})
     assert np.array_equal(got.x, _in_process(p).x)
     assert (tmp_path / "starts").read_text() == "2"
@@ -164,7 +164,7 @@ def test_a_child_that_died_while_idle_is_replaced_without_blaming_the_problem(fr
 
     monkeypatch.setattr(milp, "_take", take)
     p = _assignment(seed=7)
-    with caplog.at_level(logging.WARNING, logger="fxshard.milp"):
+    with caplog.at_level(logging.WARNING, logger="fxshard.planner.milp"):
         assert np.array_equal(milp.solve(**p, options={}).x, _in_process(p).x)
     assert handed == [dead] and not caplog.text, caplog.text
 

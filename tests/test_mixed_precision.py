@@ -19,8 +19,8 @@ import torch.nn as nn
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel
-from fxshard.errors import ShardingError
-from fxshard.ir import COMM_KEY
+from fxshard.core.errors import ShardingError
+from fxshard.core.ir import COMM_KEY
 from fxshard.models import LlamaDecoder, llama_seed003_plan, make_tokens
 from tests.dist_utils import run_ranks
 
@@ -306,10 +306,10 @@ def test_jit_refuses_autocast(mesh2) -> None:
 def test_widened_reductions_are_priced_as_emitted() -> None:
     """The planners price a bf16 Partial sum's reduction at the float32 bytes plan_transition emits for it
     (``Link.reduce_scale``, from ``axis_link``/``solve.links_of``); gathers and max reductions keep their bytes."""
-    from fxshard.cost import Link, axis_link, transition_cost
-    from fxshard.mesh import MeshInfo
-    from fxshard.placements import Part, R, S
-    from fxshard.transition import plan_transition
+    from fxshard.planner.cost import Link, axis_link, transition_cost
+    from fxshard.core.mesh import MeshInfo
+    from fxshard.core.placements import Part, R, S
+    from fxshard.comm.transition import plan_transition
 
     mesh = MeshInfo(("tp",), (2,), (0,), ("",), "cpu", 0, reduce_dtype=torch.float32)
     link = axis_link(mesh, 0, BF16)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import ColwiseParallel, RowwiseParallel
-from fxshard.errors import ShardingError
+from fxshard.core.errors import ShardingError
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan

@@ -47,7 +47,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxshard.rules.validate import max_error, pick_samples
+from fxshard.devtools.validate import max_error, pick_samples
 
 N_SAMPLES = 2  # of up to 3 allowed: each instance costs ~0.1 s of tracing and sharding per rank
 LAYOUTS = ("S(0)", "S(-1)", "R")
@@ -322,7 +322,7 @@ def _fallbacks(sm: Any, insts: list[Instance], in_owner: list[int], out_owner: l
     instance's: found from its placeholders (inputs, buffers), saved values (the forward's
     components) and tangents.
     """
-    from fxshard.passes.propagate import FALLBACK_KEY
+    from fxshard.planner.propagate import FALLBACK_KEY
 
     res: dict[int, set[str]] = defaultdict(set)
     tr = sm._training

@@ -22,11 +22,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import fxshard
 from fxshard import ColwiseParallel, P, Packed, RowwiseParallel, ShardingError
-from fxshard.checkpoint import take
-from fxshard.mesh import MeshInfo
-from fxshard.placements import R, S, to_torch
-from fxshard.plan import resolve_plan
-from fxshard.spec import META_KEY
+from fxshard.state.checkpoint import take
+from fxshard.core.mesh import MeshInfo
+from fxshard.core.placements import R, S, to_torch
+from fxshard.plans.plan import resolve_plan
+from fxshard.core.spec import META_KEY
 from tests import models
 from tests.conftest import fake_world
 from tests.dist_utils import run_ranks
@@ -139,7 +139,7 @@ def _one_rank(mesh, shapes, specs, styles, path):
     out = {}
     for i, n in enumerate(names):
         p = pls.get(n, (Replicate(),) * k)
-        p = tuple(fxshard.placements.from_torch(q) for q in p)
+        p = tuple(fxshard.core.placements.from_torch(q) for q in p)
         torch_cut = distribute_tensor(full[n], mesh, [to_torch(q) for q in p], src_data_rank=None).to_local()
         pieces = [own[n], program[i], reference_piece(full[n], p, info.sizes, info.coords), torch_cut,
                   take(full[n], p, info), init[n], local()[n]]
@@ -306,7 +306,7 @@ def test_packed_plans_train_with_parity_and_checkpoint_across_layouts():
 
 def test_rules_read_strided_factors_from_one_place():
     """``registry.outer_of``/``split_outers``: the factors a dim may be split with, given its inputs' layouts."""
-    from fxshard.registry import outer_of, split_outers
+    from fxshard.rules.registry import outer_of, split_outers
 
     assert outer_of(S(1, 3), 1) == 3 and outer_of(S(1, 3), 0) == 1 and outer_of(R, 0) == 1 and outer_of(S(0), 0) == 1
     assert split_outers([(S(0, 2), 0), (S(1, 4), None), (R, 1), (S(1, 3), 1)]) == [1, 2, 3]

@@ -27,19 +27,19 @@ from torch.utils import _pytree as pytree
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel, Shard
-from fxshard.collectives import COMM_KEY, INSERTED_KEY
-from fxshard.context import ShardContext
-from fxshard.mesh import MeshInfo
-from fxshard.passes.annotate import annotate
+from fxshard.comm.collectives import COMM_KEY, INSERTED_KEY
+from fxshard.core.context import ShardContext
+from fxshard.core.mesh import MeshInfo
+from fxshard.tracing.annotate import annotate
 from fxshard.passes.localize import localize
-from fxshard.passes.propagate import FALLBACK_KEY, IN_KEY, STRATEGY_KEY, propagate
+from fxshard.planner.propagate import FALLBACK_KEY, IN_KEY, STRATEGY_KEY, propagate
 from fxshard.passes.redistribute import redistribute
-from fxshard.passes.trace import trace_forward
+from fxshard.tracing.export import trace_forward
 from fxshard.passes.verify import verify
-from fxshard.pipeline import DEFAULT
-from fxshard.placements import Part, R, S
-from fxshard.plan import resolve_plan, to_placements
-from fxshard.spec import META_KEY, Spec
+from fxshard.passes.pipeline import DEFAULT
+from fxshard.core.placements import Part, R, S
+from fxshard.plans.plan import resolve_plan, to_placements
+from fxshard.core.spec import META_KEY, Spec
 from tests import models
 from tests.test_forward_parity import transformer_plan
 from tests.conftest import fake_world
@@ -243,7 +243,7 @@ def test_redistribute_transformer_two_all_reduces_per_layer(mesh2):
                        planner="greedy")  # the greedy sweep's Megatron pattern (the solver's differs at toy widths)
     # Megatron's 2 per layer, plus the vocab-split embedding's partial sum; logits gathered once for the output
     assert forward_comms(sm) == {"all_reduce": 2 * n_layers + 1, "all_gather": 1}
-    reasons = [c["op"] for c in fxshard.inspect.collectives(sm._programs()[0])]
+    reasons = [c["op"] for c in fxshard.report.inspect.collectives(sm._programs()[0])]
     # RowwiseParallel's default output_layouts=Replicate() pins each all_reduce to the module boundary
     assert reasons.count("constraint") == 2 * n_layers + 1
     assert reasons[-1] == "output"
@@ -252,7 +252,7 @@ def test_redistribute_transformer_two_all_reduces_per_layer(mesh2):
 def test_redistribute_2d_mesh(fake_mesh):
     mesh = fake_mesh(4, rank=2, shape=(2, 2), names=("dp", "tp"))
     sm = shard_checked(toy(), mesh, TOY_PLAN, (toy_x(),), in_specs=P("dp", None), out_specs=P("dp", None))
-    comms = fxshard.inspect.collectives(sm._programs()[0])
+    comms = fxshard.report.inspect.collectives(sm._programs()[0])
     assert [(c["kind"], c["axis"]) for c in comms] == [("all_reduce", "tp")]
     assert comms[0]["bytes"] == 4 * 16 * 4  # the local batch half
     assert tuple(sm.net1.weight.shape) == (16, 16)
@@ -395,7 +395,7 @@ def test_shard_restores_the_collector_and_returns_compiled_programs(mesh2) -> No
 
 
 def test_cse_merges_equal_pure_nodes_in_place_keeping_the_first():
-    from fxshard.passes.trace import _cse
+    from fxshard.tracing.export import _cse
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -446,14 +446,14 @@ class _Updates(nn.Module):
 
 @pytest.mark.parametrize("case", ["updates", "transformer", "llama_loss", "conv_big_head_loss", "packed_moe"])
 def test_forward_decomposition_matches_export_run_decompositions(case):
-    """trace_forward re-traces torch.export's graph with make_fx (passes/trace.py::_decomposed) instead of
+    """trace_forward re-traces torch.export's graph with make_fx (tracing/export.py::_decomposed) instead of
     ``ExportedProgram.run_decompositions``: same ops, same placeholders, the buffers updated in place
     returned first in the same order, as ``run_decompositions`` reports them."""
     from collections import Counter
 
     from torch.export.graph_signature import OutputKind
 
-    from fxshard.passes.trace import FUSED_FORWARD, _STOP, _decomposed, _mark_stop_gradients, decomposition_table
+    from fxshard.tracing.export import FUSED_FORWARD, _STOP, _decomposed, _mark_stop_gradients, decomposition_table
     from tests.models import MODEL_CASES
 
     if case == "updates":

@@ -1,4 +1,4 @@
-"""The pass pipeline (``fxshard/pipeline.py``) and its verifier (``fxshard/passes/verify.py``)."""
+"""The pass pipeline (``fxshard/passes/pipeline.py``) and its verifier (``fxshard/passes/verify.py``)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import torch.fx as fx
 
 import fxshard
 from fxshard import ColwiseParallel, RowwiseParallel
-from fxshard.context import ShardContext
-from fxshard.errors import ShardingError
-from fxshard.ir import COMM_KEY
-from fxshard.mesh import MeshInfo
+from fxshard.core.context import ShardContext
+from fxshard.core.errors import ShardingError
+from fxshard.core.ir import COMM_KEY
+from fxshard.core.mesh import MeshInfo
 from fxshard.passes.verify import enabled
-from fxshard.pipeline import DEFAULT, EMIT, LOCALIZE, OVERLAP, PROPAGATE, REDISTRIBUTE, Pass, Pipeline
+from fxshard.passes.pipeline import DEFAULT, EMIT, LOCALIZE, OVERLAP, PROPAGATE, REDISTRIBUTE, Pass, Pipeline
 from tests import models
 
 
@@ -57,9 +57,9 @@ def test_verifier_names_the_pass_that_broke_a_fact(mesh2):
 
 
 def test_overlap_pass_schedules_as_overlap_does(mesh2):
-    """The default pipeline's OVERLAP pass gives the programs ``fxshard.compile.overlap`` gives a module
+    """The default pipeline's OVERLAP pass gives the programs ``fxshard.frontends.backend.overlap`` gives a module
     sharded without it, where that schedule keeps the peak memory (here)."""
-    from fxshard.compile import overlap
+    from fxshard.frontends.backend import overlap
 
     model = models.ToyModel(16, 32)
     plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
@@ -88,8 +88,8 @@ def test_overlap_pass_keeps_the_order_where_overlap_would_raise_peak_memory(mesh
     """Weights stored split and gathered before use (the batch is larger than the weights, so gathering
     them is cheapest): the overlap schedule would issue all six weight all_gathers at the start and hold
     every gathered weight at once. The default pipeline keeps each gather before its layer."""
-    from fxshard.compile import overlap
-    from fxshard.memory import program_peak
+    from fxshard.frontends.backend import overlap
+    from fxshard.analysis.liveness import program_peak
     from fxshard.passes.overlap import PEAK_SLACK
 
     model = _Chain(6, 256).requires_grad_(False)
@@ -127,7 +127,7 @@ def test_verifier_treats_every_layout_on_a_one_rank_axis_as_the_same(fake_mesh):
     moves nothing between them, and the verifier used to call that a broken 'arrive' fact (a dp=1 x tp=2
     mesh with the Megatron Llama plan)."""
     from examples.llama_shapes import PLAN
-    from fxshard.inspect import collectives
+    from fxshard.report.inspect import collectives
 
     mesh = fake_mesh(2, shape=(1, 2), names=("dp", "tp"))
     model = models.LlamaDecoder(vocab=64, dim=32, n_heads=4, n_kv_heads=2, n_layers=1, hidden=64, max_seq=16)

@@ -1,5 +1,5 @@
 """Regression tests for wrong results and crashes the OpInfo sweep (``test_opinfo.py``) and the rule
-validator (``fxshard.rules.validate``) found: plans on the fake process group, numbers in one
+validator (``fxshard.devtools.validate``) found: plans on the fake process group, numbers in one
 2-rank spawn."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import P
-from fxshard.ir import STRATEGY_KEY
-from fxshard.placements import R, S
-from fxshard.rules import validate
-from fxshard.spec import split_ok
+from fxshard.core.ir import STRATEGY_KEY
+from fxshard.core.placements import R, S
+from fxshard.devtools import validate
+from fxshard.core.spec import split_ok
 from tests.dist_utils import run_ranks
 
 aten = torch.ops.aten

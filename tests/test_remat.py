@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import fxshard
-from fxshard.errors import ShardingError
+from fxshard.core.errors import ShardingError
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan

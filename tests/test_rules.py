@@ -2,7 +2,7 @@
 
 Each test traces a tiny function with ``make_fx`` (fake tensors, so every node
 carries ``meta["val"]``), builds the rule's :class:`OpCall` exactly as
-``passes/propagate.py`` does, and checks which strategies the rule admits on a
+``planner/propagate.py`` does, and checks which strategies the rule admits on a
 mesh axis of size ``n`` (default 2) -- the ones that must be there and the
 ones that would compute a wrong result. No process group is needed.
 
@@ -25,12 +25,12 @@ from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fxshard  # noqa: F401  (registers every rule)
-from fxshard.errors import ShardingError
-from fxshard.placements import Part, R, S
-from fxshard.registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, register, registered_ops,
+from fxshard.core.errors import ShardingError
+from fxshard.core.placements import Part, R, S
+from fxshard.rules.registry import (OpCall, Strategy, allows_uneven, lookup, out_shape_of, register, registered_ops,
                               tensor_inputs)
 from fxshard.rules.view import view_groups, view_shard
-from fxshard.symbolic import sym_shape
+from fxshard.core.symbolic import sym_shape
 
 aten = torch.ops.aten
 PS, PMAX, PMIN = Part("sum"), Part("max"), Part("min")

@@ -540,7 +540,7 @@ def _jit_constrain(rank: int, world: int, mesh) -> dict:
     sf = fxshard.jit(step, mesh, in_specs=(None, P("tp", None)), out_specs=(None, None), planner="greedy")
     loss, grad = sf(w, x.chunk(world)[rank])
     ref_loss, ref_grad = step(w, x)
-    why = [(c["kind"], c["op"]) for c in fxshard.inspect.collectives(sf._programs()[0])]
+    why = [(c["kind"], c["op"]) for c in fxshard.report.inspect.collectives(sf._programs()[0])]
     return {"loss_err": _err(loss, ref_loss), "grad_err": _err(grad, ref_grad), "collectives": why}
 
 

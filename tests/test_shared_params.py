@@ -1,5 +1,5 @@
 """Tensors of a model that reach more than one ShardedModule, or a ShardedModule and code outside it
-(``fxshard/sources.py``), on 2 real gloo ranks against the unsharded model:
+(``fxshard/runtime/sources.py``), on 2 real gloo ranks against the unsharded model:
 
 * two modules sharing an ``nn.Embedding`` (the decoder also uses it as a tied head), each sharded, train one
   embedding as eager (replicated and split over the vocabulary);
@@ -321,7 +321,7 @@ def test_an_optimizer_checks_every_module_holding_its_parameters_in_the_order_th
     """A module's gradient check at an optimizer step is a collective, so every rank must check the same modules
     in the same order. With a tensor shared by two modules, the step checked only one holder of it, whichever a
     WeakSet (ordered by object addresses, which differ between ranks) listed last."""
-    from fxshard.optim_state import _CHECKED
+    from fxshard.state.optim_state import _CHECKED
 
     m = _Seq2Seq()
     s = torch.randint(0, 16, (2, 5))

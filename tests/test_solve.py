@@ -1,4 +1,4 @@
-"""The global planner (``fxshard.shard(..., planner="global")``, fxshard/passes/solve.py): plans on the fake
+"""The global planner (``fxshard.shard(..., planner="global")``, fxshard/planner/solve.py): plans on the fake
 process group, numerics on 2 gloo ranks against the unsharded model."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
-from fxshard.passes import solve as solve_module
-from fxshard.passes.solve import build_problem, greedy_is_optimal, plan_cost, solve, solve_problem
-from fxshard.pipeline import DEFAULT, Pipeline
-from fxshard.placements import S
+from fxshard.planner import solve as solve_module
+from fxshard.planner.solve import build_problem, greedy_is_optimal, plan_cost, solve, solve_problem
+from fxshard.passes.pipeline import DEFAULT, Pipeline
+from fxshard.core.placements import S
 from torch.distributed.tensor import Replicate, Shard
 from tests import models
 from tests.dist_utils import run_ranks
@@ -31,7 +31,7 @@ def _wire_bytes(sm) -> float:
     sizes = dict(zip(sm._info.names, sm._info.sizes))
     total = 0.0
     for prog in sm._programs():
-        for c in fxshard.inspect.collectives(prog):
+        for c in fxshard.report.inspect.collectives(prog):
             n = sizes[c["axis"]]
             total += (2 if c["kind"] == "all_reduce" else 1) * (n - 1) / n * c["bytes"]
     return total
@@ -62,8 +62,8 @@ def test_global_plan_moves_no_more_bytes_than_greedy(fake_mesh, mesh_shape):
 def test_a_bucketed_gradient_pays_a_share_of_its_last_reductions_latency():
     """[P, P] -> [R, R] all-reduces on tp, then on dp: the bucket pass packs the last (dp) one only; a
     gather is never bucketed."""
-    from fxshard.cost import ALPHA, Link
-    from fxshard.placements import Part, R
+    from fxshard.planner.cost import ALPHA, Link
+    from fxshard.core.placements import Part, R
 
     whole, bucketed = (Link(), Link()), (Link(bucket=4 * 2**20), Link(bucket=4 * 2**20))
     nbytes = 2**20
@@ -179,8 +179,8 @@ def test_layer_clustering_shares_the_middle_layers_at_the_unclustered_cost(fake_
     """4 identical layers on tp=2: the decision nodes of layer 2 take layer 1's columns (layers 0 and 3
     border the embedding and the head, so they keep their own), each member with its representative's
     candidates; solved again without sharing, the same problem's optimum costs the same."""
-    from fxshard.clusters import block_instances
-    from fxshard.passes import solve as solve_mod
+    from fxshard.planner.clusters import block_instances
+    from fxshard.planner import solve as solve_mod
 
     mesh = fake_mesh(2)
     seen = []
@@ -227,7 +227,7 @@ def _train_clustered(rank: int, world: int) -> dict:
             if hasattr(record, "fxshard_solve"):
                 shared.append(record.fxshard_solve["shared"])
 
-    log = logging.getLogger("fxshard.passes.solve")
+    log = logging.getLogger("fxshard.planner.solve")
     spy, level = Spy(), log.level
     log.addHandler(spy)
     log.setLevel(logging.INFO)
@@ -355,7 +355,7 @@ def test_every_candidate_splits_legally_on_its_axis(mesh2):
     packed split of the [15] result that does not divide (legal only for even pieces); the solver took it on a
     1-D mesh, where only pairs of axes were checked, and the ranks' pieces then differed in size (a gloo size
     mismatch in the OpInfo sweep). Every candidate the solver keeps must split legally on its own axis."""
-    from fxshard.passes.solve import _legal
+    from fxshard.planner.solve import _legal
 
     seen = []
 
@@ -379,9 +379,9 @@ def test_candidates_shared_across_identical_layers_are_what_each_node_computes(f
     its arguments, shapes, dtypes and placements) and hands identical layers the same result: on a 2-layer
     Llama's training graph, on a 2x2 mesh, every node's candidates and illegal pairs are what computing them
     for that node alone gives, and most nodes share a signature with another."""
-    from fxshard.constrain import CONSTRAIN_OP
-    from fxshard.ir import STRATEGY_KEY
-    from fxshard.passes.solve import _candidates, _signature
+    from fxshard.plans.constrain import CONSTRAIN_OP
+    from fxshard.core.ir import STRATEGY_KEY
+    from fxshard.planner.solve import _candidates, _signature
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     checked = []
@@ -411,7 +411,7 @@ def test_patient_rounds_stop_after_two_stalls_counted_from_the_first_plan_that_f
     MILP returns a plan other than the last (one node's axis-0 choice alternates) and ``plan_cost`` gives the
     greedy plan 10 (it does not fit), then 5, 5 - 1e-9, 5 - 2e-9, ...: rounds 2 and 3 stall, so 3 MILPs (with
     round 1 counted as a stall against inf, 2)."""
-    from fxshard import milp
+    from fxshard.planner import milp
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     with torch.device("meta"):

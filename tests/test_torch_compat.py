@@ -1,4 +1,4 @@
-"""fxshard.torch_compat: the fallbacks for private torch names missing on some torch of the supported window
+"""fxshard.core.torch_compat: the fallbacks for private torch names missing on some torch of the supported window
 compute what the real names compute, and fxshard imports, shards and trains with the new names hidden.
 
 The in-process tests compare each fallback with torch's real function where this torch has it (2.13+) and
@@ -22,7 +22,7 @@ import torch
 from torch.fx.experimental import symbolic_shapes
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, constrain_range
 
-from fxshard import torch_compat as tc
+from fxshard.core import torch_compat as tc
 
 ROOT = Path(__file__).resolve().parent.parent
 # the names fxshard uses that some torch of the window lacks, (module, attribute)
@@ -120,7 +120,7 @@ def test_dynamo_safe_function_outputs_is_identity_in_eager():
 
 
 def test_only_the_compat_module_imports_torch_internals():
-    """No module but fxshard/torch_compat.py imports or names ``torch._*`` internals."""
+    """No module but fxshard/core/torch_compat.py imports or names ``torch._*`` internals."""
     pattern = re.compile(r"^\s*(from|import) torch\._|torch\._(decomp|dynamo|inductor|functorch|subclasses|guards|"
                          r"prims_common)\b|torch\.testing\._internal|torch\.fx\.experimental", re.M)
     offenders = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "fxshard").rglob("*.py")
@@ -139,7 +139,7 @@ for module, attr in NEW_NAMES:
         hidden[attr] = (mod, getattr(mod, attr))
         delattr(mod, attr)
 
-import fxshard.torch_compat as tc
+import fxshard.core.torch_compat as tc
 
 fallbacks = {"optimization_hint": tc.optimization_hint is tc._optimization_hint_fallback,
              "softmax_unbacked_safe_amax": tc.softmax_unbacked_safe_amax is tc._softmax_unbacked_safe_amax_fallback,

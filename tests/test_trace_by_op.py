@@ -1,4 +1,4 @@
-"""Tracing one distinct op at a time (``fxshard/trace_by_op.py``) gives the whole-graph traces' graphs.
+"""Tracing one distinct op at a time (``fxshard/tracing/by_op.py``) gives the whole-graph traces' graphs.
 
 For every model of ``tests.models.MODEL_CASES`` and the tricky ones of ``test_joint_semantics``
 (multi-use values, tuple outputs, complex intermediates, stop-gradients, learned attention masks, slice copies, names that
@@ -22,12 +22,12 @@ import pytest
 import torch
 import torch.nn as nn
 
-import fxshard.passes.joint as joint_mod
-import fxshard.passes.trace as trace_mod
-import fxshard.trace_by_op as by_op_mod
+import fxshard.tracing.joint as joint_mod
+import fxshard.tracing.export as trace_mod
+import fxshard.tracing.by_op as by_op_mod
 from fxshard import ShardingError
-from fxshard.passes.joint import trace_joint
-from fxshard.passes.trace import trace_forward
+from fxshard.tracing.joint import trace_joint
+from fxshard.tracing.export import trace_forward
 from tests import test_joint_semantics as js
 from tests.models import MODEL_CASES, LlamaDecoder, make_tokens
 

@@ -1,4 +1,4 @@
-"""The one transition planner (``fxshard/transition.py``): the bytes propagation prices are the bytes
+"""The one transition planner (``fxshard/comm/transition.py``): the bytes propagation prices are the bytes
 of the collectives redistribution emits, for a table of layout changes on several meshes."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 import torch
 import torch.fx as fx
 
-from fxshard.checkpoint import take
-from fxshard.collectives import Emitter, redistribute_nodes
-from fxshard.cost import price, transition_cost
-from fxshard.ir import COMM_KEY
-from fxshard.mesh import MeshInfo
-from fxshard.placements import Part, R, S
-from fxshard.spec import Spec, local_shape, split_ok
-from fxshard.transition import plan_transition
+from fxshard.state.checkpoint import take
+from fxshard.comm.collectives import Emitter, redistribute_nodes
+from fxshard.planner.cost import price, transition_cost
+from fxshard.core.ir import COMM_KEY
+from fxshard.core.mesh import MeshInfo
+from fxshard.core.placements import Part, R, S
+from fxshard.core.spec import Spec, local_shape, split_ok
+from fxshard.comm.transition import plan_transition
 from tests.dist_utils import run_ranks
 
 PLACEMENTS = [R, S(0), S(1), Part("sum"), Part("max")]
@@ -141,7 +141,7 @@ def _src_piece(full: torch.Tensor, src: tuple, info: MeshInfo) -> torch.Tensor:
 def _every_2x2_change(rank: int, world: int, shapes: list) -> tuple[int, list]:
     import torch.distributed as dist
 
-    from fxshard.mesh import init_mesh
+    from fxshard.core.mesh import init_mesh
 
     mesh = init_mesh(a0=2, a1=2)
     info = MeshInfo.of(mesh)

@@ -71,7 +71,7 @@ def test_seed002_as_written_runs_forward_as_eager_and_refuses_the_backward():
 def test_user_collective_fails_at_the_backward_not_at_shard(mesh2, monkeypatch):
     """shard() builds the inference program and records why there is no training program; a call with grad
     off never sees it. The error is the collective's (not a later trace failure), raised at the backward."""
-    import fxshard.passes.propagate as propagate_mod
+    import fxshard.planner.propagate as propagate_mod
 
     # the fallback warning is once per op and context: start from one that has warned about nothing
     monkeypatch.setattr(propagate_mod, "_WARNED", ContextVar("fallback_warned", default=frozenset()))

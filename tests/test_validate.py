@@ -1,4 +1,4 @@
-"""The rule validator (``python -m fxshard.rules.validate``): every registered rule's every strategy
+"""The rule validator (``python -m fxshard.devtools.validate``): every registered rule's every strategy
 matches the unsharded op on simulated ranks, and the validator does catch wrong rules."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import fxshard  # noqa: F401  (registers every rule)
-from fxshard import registry
-from fxshard.placements import Part, R, S
-from fxshard.registry import Strategy, registered_ops
-from fxshard.rules import validate
+from fxshard.rules import registry
+from fxshard.core.placements import Part, R, S
+from fxshard.rules.registry import Strategy, registered_ops
+from fxshard.devtools import validate
 from fxshard.rules.embedding import MASKED_EMBEDDING
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ def test_cli_names_ops_and_fails_on_unknown(capsys):
 def test_validator_covers_attention_and_catches_a_split_mask_gradient(monkeypatch, capsys):
     """``fxshard::attention`` and its backward have samples; a learned mask broadcast over the split heads
     has a P(sum) gradient, and claiming it split is caught."""
-    from fxshard.rules.validate_samples import SAMPLES
+    from fxshard.devtools.validate_samples import SAMPLES
 
     assert validate.main(["fxshard.attention", "fxshard.attention_backward.default"]) == 0
     out = capsys.readouterr().out

@@ -29,10 +29,10 @@ from typing import Any, Hashable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..context import ShardContext
-from ..ir import COMM_KEY, INSERTED_KEY, META_KEY
-from ..symbolic import is_concrete
-from ..collectives import all_reduce_into_input
+from ..core.context import ShardContext
+from ..core.ir import COMM_KEY, INSERTED_KEY, META_KEY
+from ..core.symbolic import is_concrete
+from ..comm.collectives import all_reduce_into_input
 
 __all__ = ["bucket_gradients", "bucket_pass", "plan_buckets", "DEFAULT_BUCKET_MB"]
 

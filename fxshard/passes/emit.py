@@ -1,8 +1,8 @@
 """Pass 6, emit: a clean per-rank GraphModule.
 
 Requires: a localized graph. Ensures: dead nodes removed, traced layouts that
-views rely on kept (``passes/layout.py``), chains of views folded
-(``passes/simplify.py::fold_views``), the graph linted and recompiled;
+views rely on kept (``analysis/layout.py``), chains of views folded
+(``tracing/simplify.py::fold_views``), the graph linted and recompiled;
 the result runs on local tensors with plain ATen ops and functional
 collectives only.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..context import ShardContext
-from .layout import pin_layouts
-from .simplify import fold_views
+from ..core.context import ShardContext
+from ..analysis.layout import pin_layouts
+from ..tracing.simplify import fold_views
 
 __all__ = ["emit"]
 

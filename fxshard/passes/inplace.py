@@ -27,10 +27,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..context import ShardContext
-from ..collectives import all_reduce_into_input
-from ..ir import COMM_KEY
-from ..torch_compat import OpOverload
+from ..core.context import ShardContext
+from ..comm.collectives import all_reduce_into_input
+from ..core.ir import COMM_KEY
+from ..core.torch_compat import OpOverload
 
 __all__ = ["inplace_pass", "reduces_in_place"]
 

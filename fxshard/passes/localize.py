@@ -19,16 +19,16 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..collectives import Emitter
-from ..constrain import CONSTRAIN_OP
-from ..context import ShardContext, runtime_device
-from ..errors import ShardingError
-from ..placements import R
-from ..registry import norm_dim, tensor_inputs
-from ..ir import INSERTED_KEY, META_KEY, SHAPE_ARGS, SIZE_ARGS, OpClass, is_op, sharding
-from ..lowering import follow_with, set_arg
-from ..spec import Spec, is_uneven, shard_factor
-from ..symbolic import is_concrete
+from ..comm.collectives import Emitter
+from ..plans.constrain import CONSTRAIN_OP
+from ..core.context import ShardContext, runtime_device
+from ..core.errors import ShardingError
+from ..core.placements import R
+from ..rules.registry import norm_dim, tensor_inputs
+from ..core.ir import INSERTED_KEY, META_KEY, SHAPE_ARGS, SIZE_ARGS, OpClass, is_op, sharding
+from ..comm.lowering import follow_with, set_arg
+from ..core.spec import Spec, is_uneven, shard_factor
+from ..core.symbolic import is_concrete
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ def _lower(g: fx.Graph, node: fx.Node, ctx: ShardContext) -> None:
         fn = getattr(low, "fn", None)
         if fn is None:
             raise ShardingError(f"internal: the strategy of {node.target} names lowering {low!r}, which is not a "
-                                f"fxshard.lowering.Lowering (a name with the function that applies it)")
+                                f"fxshard.comm.lowering.Lowering (a name with the function that applies it)")
         fn(g, node, ctx, [a for a, st in enumerate(rec.strategy) if st.lowering == low])
         if node.graph is not g or getattr(node, "_erased", False):
             return  # the lowering replaced the node

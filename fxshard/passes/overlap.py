@@ -17,10 +17,10 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.fx as fx
 
-from ..context import ShardContext
-from ..errors import ShardingError
-from ..ir import COMM_KEY
-from ..torch_compat import OpOverload
+from ..core.context import ShardContext
+from ..core.errors import ShardingError
+from ..core.ir import COMM_KEY
+from ..core.torch_compat import OpOverload
 
 __all__ = ["overlap_pass", "reorder_for_overlap", "overlap_order", "collective_groups", "INDUCTOR_OPTIONS"]
 
@@ -156,7 +156,7 @@ def overlap_pass(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     order = overlap_order(gm.graph)
     if order is None:
         return gm
-    from ..memory import local_bytes, liveness_peak  # memory imports the description, which imports passes
+    from ..analysis.liveness import local_bytes, liveness_peak  # memory imports the description, which imports passes
 
     own = list(gm.graph.nodes)
     try:

@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..collectives import Emitter, redistribute_nodes
-from ..constrain import CONSTRAIN_OP
-from ..context import ShardContext
-from ..errors import ShardingError
-from ..registry import tensor_inputs
-from ..ir import IN_KEY, META_KEY, source_line
-from ..spec import fmt_placements
-from .layout import memory_order, pin, reads_strides
+from ..comm.collectives import Emitter, redistribute_nodes
+from ..plans.constrain import CONSTRAIN_OP
+from ..core.context import ShardContext
+from ..core.errors import ShardingError
+from ..rules.registry import tensor_inputs
+from ..core.ir import IN_KEY, META_KEY, source_line
+from ..core.spec import fmt_placements
+from ..analysis.layout import memory_order, pin, reads_strides
 
 __all__ = ["redistribute"]
 

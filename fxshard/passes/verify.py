@@ -1,6 +1,6 @@
 """The verifier: checks the facts a pipeline's passes ensure, after each pass.
 
-Each pass of a :class:`fxshard.pipeline.Pipeline` declares the facts it requires and ensures
+Each pass of a :class:`fxshard.passes.pipeline.Pipeline` declares the facts it requires and ensures
 (names below); with ``FXSHARD_VERIFY=1`` in the environment (the test suite sets it) the
 pipeline calls :func:`verify` after every pass with every fact in force, and a broken fact
 raises a ShardingError naming the pass and the node. The facts:
@@ -26,14 +26,14 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from ..collectives import all_reduce_into_input
-from ..context import ShardContext
-from ..errors import ShardingError
-from ..ir import COMM_KEY, IN_KEY, INSERTED_KEY, META_KEY, sharding
-from ..placements import Part, R
-from ..registry import tensor_inputs
-from ..spec import Spec
-from ..symbolic import sym_shape
+from ..comm.collectives import all_reduce_into_input
+from ..core.context import ShardContext
+from ..core.errors import ShardingError
+from ..core.ir import COMM_KEY, IN_KEY, INSERTED_KEY, META_KEY, sharding
+from ..core.placements import Part, R
+from ..rules.registry import tensor_inputs
+from ..core.spec import Spec
+from ..core.symbolic import sym_shape
 
 __all__ = ["verify", "enabled", "FACTS", "COLLECTIVES"]
 

@@ -1,6 +1,6 @@
 """Attention: batch and head dims split alike on q, k, v (and the mask broadcasting in).
 
-``fxshard::attention`` and ``fxshard::attention_backward`` (``fxshard/attention_op.py``: the one
+``fxshard::attention`` and ``fxshard::attention_backward`` (``fxshard/ops/attention.py``: the one
 device-neutral node every fxshard trace gives ``F.scaled_dot_product_attention``) split any batch dim of
 ``q`` (``[*batch, L, E]``, heads being the last batch dim): ``k``, ``v`` and the mask split the same dim
 where they have it and are replicated where they broadcast over it (size 1, or missing); with
@@ -9,7 +9,7 @@ both counts divide). In the backward, the gradient of an input replicated over t
 mask or k/v) is ``P(sum)``. Only splits that divide are offered (``uneven=False``).
 
 CPU's fused kernels ``_scaled_dot_product_flash_attention_for_cpu`` and its backward stay fused in
-traced graphs (``passes/trace.py::FUSED_FORWARD``/``FUSED_BACKWARD``). Attention is independent per
+traced graphs (``tracing/export.py::FUSED_FORWARD``/``FUSED_BACKWARD``). Attention is independent per
 batch element and per head, so splitting dim 0 or dim 1 of every ``[B, H, T, E]`` operand (and of
 the ``[B, H, T]`` logsumexp) computes each rank's chunk locally. The sequence and head dims are not
 split (softmax over keys, causal offsets), nor are Partial inputs taken (a Partial gradient is
@@ -27,10 +27,10 @@ import torch
 if TYPE_CHECKING:
     import torch.fx as fx
 
-from ..attention_op import ATTENTION, ATTENTION_BACKWARD
-from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, register
-from ..symbolic import Dim, divides
+from ..ops.attention import ATTENTION, ATTENTION_BACKWARD
+from ..core.placements import Part, Pl, R, S
+from .registry import OpCall, Strategy, register
+from ..core.symbolic import Dim, divides
 from .pointwise import broadcast_placement
 
 aten = torch.ops.aten
@@ -110,14 +110,14 @@ def attention_backward_rule(call: OpCall, n: int) -> list[Strategy]:
 
 # Floating-point work of attention on global shapes, in forward passes (``2 * batch * L * S * (E + Ev)``):
 # the backward recomputes the forward and runs the kernel's backward (about 2.5 forwards). The global
-# planner prices it (passes/solve.py), so attention replicated on every rank does not look free.
+# planner prices it (planner/solve.py), so attention replicated on every rank does not look free.
 WORK = {ATTENTION: 1.0, ATTENTION_BACKWARD: 3.5}
 
 
 def flops(node: "fx.Node") -> float:
     """Requires a ``fxshard::attention`` or ``fxshard::attention_backward`` node carrying ``meta["val"]`` on
     its q, k, v. Ensures its floating-point work (``WORK``), hints for symbolic sizes (64 unknown)."""
-    from ..torch_compat import optimization_hint
+    from ..core.torch_compat import optimization_hint
 
     first = 1 if node.target is ATTENTION_BACKWARD else 0
     q, k, v = (node.args[first + i].meta["val"].shape for i in range(3))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register
-from ..symbolic import divides
+from ..core.placements import Part, R, S
+from .registry import OpCall, Strategy, register
+from ..core.symbolic import divides
 
 aten = torch.ops.aten
 

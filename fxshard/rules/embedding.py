@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..collectives import Emitter
-from ..context import ShardContext
-from ..ir import META_KEY
-from ..lowering import Lowering, chunk_start, set_arg, shifted_index, zero_misses_after
-from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, norm_dim, outer_of, register, tensor_inputs
-from ..spec import can_split
-from ..symbolic import equal
+from ..comm.collectives import Emitter
+from ..core.context import ShardContext
+from ..core.ir import META_KEY
+from ..comm.lowering import Lowering, chunk_start, set_arg, shifted_index, zero_misses_after
+from ..core.placements import Part, R, S
+from .registry import OpCall, Strategy, norm_dim, outer_of, register, tensor_inputs
+from ..core.spec import can_split
+from ..core.symbolic import equal
 
 aten = torch.ops.aten
 

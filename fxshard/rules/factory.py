@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, outer_of, register
+from ..core.placements import Part, R, S
+from .registry import OpCall, Strategy, outer_of, register
 
 aten = torch.ops.aten
 

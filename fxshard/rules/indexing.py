@@ -16,10 +16,10 @@ from typing import Sequence
 
 import torch
 
-from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, norm_dim, register
-from ..spec import can_split
-from ..symbolic import Dim, equal
+from ..core.placements import Part, Pl, R, S
+from .registry import OpCall, Strategy, norm_dim, register
+from ..core.spec import can_split
+from ..core.symbolic import Dim, equal
 
 aten = torch.ops.aten
 

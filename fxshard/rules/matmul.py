@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, all_r, register, split_outers
-from ..spec import can_split
+from ..core.placements import Part, Pl, R, S
+from .registry import OpCall, Strategy, all_r, register, split_outers
+from ..core.spec import can_split
 from .pointwise import broadcast_placement
 
 aten = torch.ops.aten

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, register
-from ..spec import can_split
+from ..core.placements import Part, R, S
+from .registry import OpCall, Strategy, register
+from ..core.spec import can_split
 
 aten = torch.ops.aten
 

@@ -21,10 +21,10 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, all_r, register, split_outers
-from ..spec import can_split
-from ..symbolic import Dim, equal
+from ..core.placements import Part, Pl, R, S
+from .registry import OpCall, Strategy, all_r, register, split_outers
+from ..core.spec import can_split
+from ..core.symbolic import Dim, equal
 
 aten = torch.ops.aten
 

@@ -59,14 +59,14 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..collectives import Emitter, redistribute_nodes
-from ..context import ShardContext, runtime_device
-from ..ir import INSERTED_KEY, META_KEY, STRATEGY_KEY
-from ..lowering import Lowering
-from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, outer_of, register, tensor_inputs
-from ..spec import Spec, local_shape, shard_factor
-from ..symbolic import is_concrete
+from ..comm.collectives import Emitter, redistribute_nodes
+from ..core.context import ShardContext, runtime_device
+from ..core.ir import INSERTED_KEY, META_KEY, STRATEGY_KEY
+from ..comm.lowering import Lowering
+from ..core.placements import Part, R, S
+from .registry import OpCall, Strategy, outer_of, register, tensor_inputs
+from ..core.spec import Spec, local_shape, shard_factor
+from ..core.symbolic import is_concrete
 
 aten = torch.ops.aten
 

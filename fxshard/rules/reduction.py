@@ -22,12 +22,12 @@ import torch
 
 import torch.fx as fx
 
-from ..context import ShardContext
-from ..ir import META_KEY
-from ..lowering import Lowering, follow_with
-from ..placements import Part, R, S
-from ..registry import OpCall, Strategy, all_r, norm_dims, register, split_outers, tensor_inputs
-from ..spec import can_split, is_uneven
+from ..core.context import ShardContext
+from ..core.ir import META_KEY
+from ..comm.lowering import Lowering, follow_with
+from ..core.placements import Part, R, S
+from .registry import OpCall, Strategy, all_r, norm_dims, register, split_outers, tensor_inputs
+from ..core.spec import can_split, is_uneven
 from .pointwise import split_strategies
 
 aten = torch.ops.aten

@@ -14,12 +14,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..errors import ShardingError
-from ..ir import source_line
-from ..placements import Part, Pl, R, S
-from ..registry import OpCall, Strategy, norm_dim, norm_dims, outer_of, register
-from ..spec import can_split
-from ..symbolic import Dim, divides, equal, exact_div, is_concrete, prod
+from ..core.errors import ShardingError
+from ..core.ir import source_line
+from ..core.placements import Part, Pl, R, S
+from .registry import OpCall, Strategy, norm_dim, norm_dims, outer_of, register
+from ..core.spec import can_split
+from ..core.symbolic import Dim, divides, equal, exact_div, is_concrete, prod
 from .pointwise import dim_map
 
 aten = torch.ops.aten

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
-from fxshard.attention_op import ATTENTION, ATTENTION_BACKWARD
+from fxshard.ops.attention import ATTENTION, ATTENTION_BACKWARD
 from tests.test_attention import B, D, FORMS, HEADS, T, _model
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +80,7 @@ def test_cuda_parity_one_rank_nccl():
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_cpu_traced_program_runs_on_cuda(device):
-    from fxshard.passes.trace import trace_forward
+    from fxshard.tracing.export import trace_forward
 
     ref = _model("learned_mask")
     with torch.device(device):
