@@ -12,7 +12,7 @@ from .plans.hf import from_hf
 from .report.inspect import comm_stats, explain
 from .frontends.jit import ShardedFunction, jit
 from .frontends.loss import loss_parallel
-from .analysis.liveness import memory
+from .report.memory import memory
 from .core.mesh import init_mesh
 from .state.optim_state import load_optim_state_dict, optim_state_dict
 from .runtime.module import ShardedModule

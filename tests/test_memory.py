@@ -202,7 +202,8 @@ def test_meta_model_loads_only_its_slices(sharded_dir):
 
 
 def test_backward_peak_does_not_count_saved_parameters_twice(mesh2):
-    from fxshard.analysis.liveness import _saved_state, program_peak
+    from fxshard.analysis.liveness import program_peak
+    from fxshard.report.memory import _saved_state
 
     model = models.ToyModel(16, 4096)
     sm = fxshard.shard(model, mesh2, {"net1": ColwiseParallel(), "net2": RowwiseParallel()},

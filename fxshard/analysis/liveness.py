@@ -1,8 +1,7 @@
-"""``fxshard.memory``: per-rank memory of a sharded module, computed without running it.
+"""Liveness analysis of sharded programs: the per-rank bytes a program holds at its peak, without running it.
 
-Parameters, gradients and optimizer state come from the local shard sizes.
-Activation and collective-buffer peaks come from a liveness analysis of each
-sharded program: local shapes are found by interpreting the program on fake
+Activation and collective-buffer peaks (what ``fxshard.memory``, the remat budget and the overlap
+pass read) come from a liveness analysis of each sharded program: local shapes are found by interpreting the program on fake
 tensors (no real memory, no communication), every value is live from the op
 that allocates it to its last use (views share their base's storage and extend
 its life), saved activations stay live to the end of the forward and from the
@@ -24,8 +23,6 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..comm.collectives import all_reduce_into_input, hint
-from ..runtime.description import Sharding, sharding_of
-from ..core.errors import ShardingError
 from ..core.ir import META_KEY, VIEW_OPS
 from ..rules.registry import output_leaves
 from ..core.spec import Spec
@@ -35,7 +32,7 @@ from ..core.torch_compat import FakeTensor, FakeTensorMode
 aten = torch.ops.aten
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 
-__all__ = ["memory", "program_peak", "local_values", "local_bytes", "output_values", "remembering_values",
+__all__ = ["program_peak", "value_nbytes", "outputs_of", "local_values", "local_bytes", "output_values", "remembering_values",
            "liveness_peak", "liveness", "liveness_peak_of", "OPTIMIZER_STATES"]
 
 # tensors of state per parameter element, in the parameter's dtype
@@ -110,25 +107,27 @@ def local_bytes(gm: fx.GraphModule, mesh: Any, given: Sequence[Any] = ()) -> Cal
     """Bytes of the value each node of ``gm`` makes on this rank (see :func:`local_values`); the
     ``nbytes`` of :func:`liveness_peak`."""
     vals = local_values(gm, mesh, given)
-    return lambda n: _nbytes(vals.get(n))
+    return lambda n: value_nbytes(vals.get(n))
 
 
 def output_values(gm: fx.GraphModule, mesh: Any) -> list[Any]:
     """The fake local values of ``gm``'s output leaves, in order (a training forward's saved values follow its
     outputs: the ``given`` of its backward)."""
-    return _outputs(gm, local_values(gm, mesh))
+    return outputs_of(gm, local_values(gm, mesh))
 
 
-def _outputs(gm: fx.GraphModule, vals: dict[fx.Node, Any]) -> list[Any]:
+def outputs_of(gm: fx.GraphModule, vals: dict[fx.Node, Any]) -> list[Any]:
+    """The values of ``gm``'s output leaves, read from ``vals`` (node -> value; constants as they are)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     return [vals[a] if isinstance(a, fx.Node) else a for a in output_leaves(out)]
 
 
-def _nbytes(v: Any) -> int:
+def value_nbytes(v: Any) -> int:
+    """Bytes of the tensors in ``v`` (a tensor, or a tuple/list of them); 0 for anything else."""
     if isinstance(v, torch.Tensor):
         return v.numel() * v.element_size()
     if isinstance(v, (tuple, list)):
-        return sum(_nbytes(x) for x in v)
+        return sum(value_nbytes(x) for x in v)
     return 0
 
 
@@ -139,7 +138,7 @@ def program_peak(gm: fx.GraphModule, sizes, device: str = "cpu", inputs_live: bo
     placeholders at positions ``not_counted``, e.g. parameters that are counted elsewhere); ``given``:
     see ``_local_vals``."""
     vals = _local_vals(gm, sizes, device, coords, given)
-    return liveness_peak(gm, lambda n: _nbytes(vals.get(n)), inputs_live, outputs_live, not_counted)
+    return liveness_peak(gm, lambda n: value_nbytes(vals.get(n)), inputs_live, outputs_live, not_counted)
 
 
 def liveness_peak(gm: fx.GraphModule, nbytes, inputs_live: bool = False, outputs_live: bool = True,
@@ -201,64 +200,3 @@ def liveness(gm: fx.GraphModule, inputs_live: bool = False, outputs_live: bool =
         t = bisect.bisect_right(at, last.get(n, pos[n])) - 1
         frees.setdefault(t, []).append(n)
     return values, frees
-
-
-def _saved_state(view: Sharding) -> frozenset:
-    """Positions of the backward's saved inputs that are parameters/buffers themselves (already in
-    ``params``/``buffers``, so not activation memory)."""
-    tr = view.training
-    fwd_ph = [n for n in tr.fwd.gm.graph.nodes if n.op == "placeholder"]
-    state = {n for n, slot in zip(fwd_ph, view.slots) if slot.kind in ("param", "buffer")}
-    out = next(n for n in tr.fwd.gm.graph.nodes if n.op == "output")
-    saved = list(out.args[0])[tr.n_out:]
-    return frozenset(i for i, s in enumerate(saved) if s in state)
-
-
-def _saved(view: Sharding) -> tuple[int, list[Any]]:
-    """Bytes of the activations the training forward saves for the backward on this rank (its inputs,
-    parameters and buffers are not counted: they are held anyway), and the saved values (fake, local)."""
-    tr = view.training
-    gm = tr.fwd.gm
-    vals = local_values(gm, view.mesh)
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    saved = list(out.args[0])[tr.n_out:]
-    owners = set()  # a saved view counts as the storage it views, once
-    for s in saved:
-        while isinstance(s, fx.Node) and s.op == "call_function" and s.target in VIEW_OPS:
-            s = s.args[0]
-        if isinstance(s, fx.Node) and s.op != "placeholder":
-            owners.add(s)
-    return sum(_nbytes(vals.get(s)) for s in owners), _outputs(gm, vals)[tr.n_out:]
-
-
-def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
-    """Per-rank bytes: ``params``, ``grads``, ``optimizer`` (state of the named optimizer: 'sgd',
-    'sgd_momentum', 'adam', 'adamw', ...), and the activation/collective-buffer peaks of the
-    ``inference`` program and, for training modules, ``saved`` (the activations the forward keeps for
-    the backward: what ``shard(..., remat=...)`` trades for recomputation) and the peaks of the
-    ``forward`` (with what it saves for the backward) and ``backward`` programs. Works on the fake process group for any world size."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise ShardingError(f"memory(): unknown optimizer {optimizer!r}; use one of {sorted(k for k in OPTIMIZER_STATES if k)}")
-    view = sharding_of(sm, "fxshard.memory")
-    if not view.is_module:
-        raise ShardingError("fxshard.memory describes a ShardedModule (parameters, gradients, optimizer state); "
-                            "for a jitted function use fxshard.explain or fxshard.comm_stats")
-    sizes, coords = view.mesh.sizes, view.mesh.coords
-    dev = view.mesh.device_type
-    params = {id(p): p for p in sm.parameters()}.values()
-    pbytes = sum(p.numel() * p.element_size() for p in params)
-    gbytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    report = {
-        "params": pbytes,
-        "buffers": sum(b.numel() * b.element_size() for b in sm.buffers()),
-        "grads": gbytes if view.training is not None else 0,
-        "optimizer": OPTIMIZER_STATES[optimizer] * gbytes,
-        "inference_peak": program_peak(view.inference.gm, sizes, dev, coords=coords),
-    }
-    if view.training is not None:
-        report["saved"], saved = _saved(view)
-        report["forward_peak"] = program_peak(view.training.fwd.gm, sizes, dev, coords=coords)
-        report["backward_peak"] = program_peak(view.training.bwd.gm, sizes, dev, inputs_live=True, coords=coords,
-                                               given=saved,
-                                               not_counted=_saved_state(view))
-    return report

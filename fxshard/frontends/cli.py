@@ -131,8 +131,11 @@ def plan_command(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    import fxshard
-    from fxshard.core.torch_compat import FakeStore
+    from ..core.placements import P
+    from ..core.torch_compat import FakeStore
+    from ..report.inspect import comm_stats, explain as explain_of
+    from ..report.memory import memory
+    from .shard import shard
 
     axes = parse_mesh(args.mesh)
     bandwidth = args.bandwidth and _per_axis(args.bandwidth, "--bandwidth", "bytes_per_s", "dp=25e9,tp=300e9", _number)
@@ -171,16 +174,16 @@ def plan_command(args: argparse.Namespace) -> int:
         mesh = init_device_mesh("cpu", tuple(axes.values()), mesh_dim_names=tuple(axes))
         in_specs = None
         if "dp" in axes:  # every input's dim 0 is the batch, split over dp
-            in_specs = tuple(fxshard.P("dp") for _ in inputs)
-            in_specs = (in_specs, {k: fxshard.P("dp") for k in tensor_kwargs}) if tensor_kwargs else in_specs
-        sm = fxshard.shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
+            in_specs = tuple(P("dp") for _ in inputs)
+            in_specs = (in_specs, {k: P("dp") for k in tensor_kwargs}) if tensor_kwargs else in_specs
+        sm = shard(model, mesh, plan, example_inputs=inputs, example_kwargs=kwargs, in_specs=in_specs,
                            progress=say, auto=args.auto, memory_budget=args.memory_budget,
                            bandwidth=bandwidth, latency=latency, planner=args.planner)
         say("computing the memory report")
-        mem = fxshard.memory(sm, args.optimizer)
-        stats = fxshard.comm_stats(sm)
+        mem = memory(sm, args.optimizer)
+        stats = comm_stats(sm)
         why = _why(sm)
-        explain = fxshard.explain(sm) if args.explain else None
+        explain = explain_of(sm) if args.explain else None
     finally:
         dist.destroy_process_group()
     n_params = sum(p.numel() for p in model.parameters())

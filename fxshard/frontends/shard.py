@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from ..planner.auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
-from ..analysis.liveness import memory as memory_report, output_values, remembering_values
+from ..analysis.liveness import output_values, remembering_values
+from ..report.memory import memory as memory_report
 from ..core.sizes import fmt_bytes
 from ..comm.consistency import check_generators_agree, fingerprint
 from ..planner.cost import linked_mesh_info

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.fx as fx
 
+from ..analysis.liveness import local_bytes, liveness_peak
 from ..core.context import ShardContext
 from ..core.errors import ShardingError
 from ..core.ir import COMM_KEY
@@ -156,8 +157,6 @@ def overlap_pass(gm: fx.GraphModule, ctx: ShardContext) -> fx.GraphModule:
     order = overlap_order(gm.graph)
     if order is None:
         return gm
-    from ..analysis.liveness import local_bytes, liveness_peak  # memory imports the description, which imports passes
-
     own = list(gm.graph.nodes)
     try:
         nbytes = local_bytes(gm, ctx.mesh, ctx.program_inputs() if ctx.program_inputs else ())

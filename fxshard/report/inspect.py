@@ -88,7 +88,7 @@ def explain(sm: Any) -> str:
     info = view.mesh
     lines.append("mesh: " + ", ".join(f"{n}={s}" for n, s in zip(info.names, info.sizes)) + f"  (rank {info.rank})")
     if view.is_module:  # a ShardedModule: one line of fxshard.memory
-        from ..analysis.liveness import memory
+        from .memory import memory
 
         lines.append("memory per rank (bytes): " + ", ".join(f"{k} {v:,}" for k, v in memory(sm).items()))
     if view.auto is not None:

@@ -53,10 +53,11 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..core.hooks import own_hook
 from ..core.errors import ShardingError, name_few
 from ..core.placements import Pl, R
 
-__all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "shard_tracing", "is_stale_check", "SHARED"]
+__all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "shard_tracing", "SHARED"]
 
 # what an error message that suggests sharding the model again adds
 SHARED = ("a second ShardedModule of the same model shares its parameters and buffers with the first, so both "
@@ -255,11 +256,6 @@ def shard_tracing() -> Iterator[None]:
         _QUIET.depth -= 1
 
 
-def is_stale_check(hook: Any) -> bool:
-    """Whether ``hook`` is the forward pre-hook :func:`remember` registers (not the user's)."""
-    return hook is _refuse_stale_forward
-
-
 def _stale(entry: _Entry, source: torch.Tensor) -> bool:
     """Whether ``source`` holds other values than the ShardedModules that hold its local tensor: they wrote that
     tensor (trained, loaded or initialized it) since ``shard()`` or since the source was last written, and
@@ -303,6 +299,7 @@ def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bo
                   "sm.state_dict() (DTensors) or dcp.save(sm.sharded_state_dict(), ...)")
 
 
+@own_hook
 def _refuse_stale_forward(module: torch.nn.Module, args: Any) -> None:
     """The forward pre-hook of a sharded model and of its modules that own sources (module doc)."""
     if module not in _WATCHED:  # a copy.deepcopy of a watched module: its tensors are its own

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from ..core.errors import ShardingError, name_few
-from ..runtime.sources import is_stale_check
+from ..core.hooks import is_own_hook
 
 __all__ = ["ForwardState", "forward_state_unchanged", "host_rngs_unchanged", "warn_traced_hooks"]
 
@@ -256,7 +256,7 @@ def warn_traced_hooks(model: torch.nn.Module) -> None:
     from torch.nn.modules import module as nn_module
 
     hooked = [fqn or "<root>" for fqn, m in model.named_modules()
-              if m._forward_hooks or any(not is_stale_check(h) for h in m._forward_pre_hooks.values())]
+              if m._forward_hooks or any(not is_own_hook(h) for h in m._forward_pre_hooks.values())]
     if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
         hooked.insert(0, "all modules (torch.nn.modules.module.register_module_forward_hook)")
     if hooked:

@@ -1,0 +1,3 @@
+"""Tools for developing fxshard itself: the numerical validator of sharding rules (``python -m
+fxshard.devtools.validate``).
+"""

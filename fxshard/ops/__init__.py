@@ -1,0 +1,2 @@
+"""fxshard's own torch custom ops (the device-neutral attention node) that traced programs call.
+"""

@@ -1,0 +1,2 @@
+"""What users read about a sharding: ``explain``, ``comm_stats`` and ``memory``.
+"""

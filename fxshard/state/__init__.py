@@ -1,0 +1,3 @@
+"""Training state around a sharded module: checkpoints (DCP, safetensors), optimizer state, tiled initialisation,
+gradient norms, scaling and the gradient guards.
+"""
