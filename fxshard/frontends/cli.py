@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..core.sizes import fmt_bytes
@@ -208,7 +209,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])  # the checkout: fxshard/frontends/cli.py -> ../..
     script = os.path.join(root, "examples", "toy_tp_train.py")
     if not os.path.exists(script):
         raise CliError(f"{script} not found: `fxshard demo` runs from a source checkout of fxshard")
