@@ -327,7 +327,7 @@ def _module_of(node) -> str:
 def collect(sm) -> list[dict]:
     """Every collective of the sharded training step with where it comes from."""
     from fxshard.comm.collectives import COMM_KEY
-    from fxshard.tracing.export import source_line
+    from fxshard.core.ir import source_line
     from fxshard.rules.registry import output_leaves
 
     training = sm._training

@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
 
     import benchmarks.megatron as meg
     from benchmarks.step_time import CONFIG, build
-    from fxshard.tracing.export import decomposition_table, joint_decomposition_table
+    from fxshard.tracing.decompositions import decomposition_table, joint_decomposition_table
 
     t_start = time.perf_counter()
     info = machine()

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 import fxshard
 from fxshard import P
-from fxshard.tracing.export import EAGER_DERIVATIVE, _multi_margin_loss, _multilabel_margin_loss_forward, \
-    decomposition_table, joint_decomposition_table
+from fxshard.tracing.decompositions import EAGER_DERIVATIVE, decomposition_table, joint_decomposition_table
+from fxshard.tracing.margin_losses import _multi_margin_loss, _multilabel_margin_loss_forward
 from fxshard.rules.registry import lookup
 from fxshard.devtools import validate
 from tests.dist_utils import run_ranks
@@ -283,7 +283,7 @@ def test_multi_margin_loss_decomposition_is_eagers(shape, weighted, reduction):
 def test_margin_losses_as_eager_binds_every_call_form_as_torch():
     """The mode fxshard.jit traces under: keyword calls of the torch._C._nn builtins, weight, p, legacy
     size_average, and what torch rejects (p=3, a 2-D weight) raises as in eager."""
-    from fxshard.tracing.export import margin_losses_as_eager
+    from fxshard.tracing.margin_losses import margin_losses_as_eager
 
     torch.manual_seed(0)
     x, t, w = torch.randn(4, 6), torch.tensor([1, 0, 5, 2]), torch.rand(6)

@@ -24,7 +24,8 @@ import fxshard
 from fxshard import P
 from fxshard.planner.propagate import STRATEGY_KEY
 from fxshard.tracing.simplify import drop_noop_clones, fold_views
-from fxshard.tracing.export import FUSED_BACKWARD, FUSED_FORWARD, joint_decomposition_table, trace_forward
+from fxshard.tracing.decompositions import FUSED_BACKWARD, FUSED_FORWARD, joint_decomposition_table
+from fxshard.tracing.export import trace_forward
 from fxshard.core.placements import Part, R, S
 from fxshard.rules.registry import lookup
 from fxshard.devtools import validate

@@ -47,7 +47,8 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxshard.devtools.validate import max_error, pick_samples
+from fxshard.devtools.op_samples import pick_samples
+from fxshard.devtools.validate import max_error
 
 N_SAMPLES = 2  # of up to 3 allowed: each instance costs ~0.1 s of tracing and sharding per rank
 LAYOUTS = ("S(0)", "S(-1)", "R")

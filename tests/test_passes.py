@@ -395,7 +395,7 @@ def test_shard_restores_the_collector_and_returns_compiled_programs(mesh2) -> No
 
 
 def test_cse_merges_equal_pure_nodes_in_place_keeping_the_first():
-    from fxshard.tracing.export import _cse
+    from fxshard.tracing.cse import cse
 
     aten = torch.ops.aten
     g = fx.Graph()
@@ -410,7 +410,7 @@ def test_cse_merges_equal_pure_nodes_in_place_keeping_the_first():
     a.meta["tag"] = "first"
     x_ = torch.randn(3, 5)
     want = [o.clone() for o in fx.GraphModule({}, g)(x_)]
-    out = _cse(fx.GraphModule({}, g))
+    out = cse(fx.GraphModule({}, g))
     calls = [n for n in out.graph.nodes if n.op == "call_function"]
     assert [n.target for n in calls] == [aten.t.default, aten.mul.Tensor, aten.sum.dim_IntList, aten.sum.dim_IntList]
     assert calls[0].meta["tag"] == "first" and calls[1].args == (calls[0], calls[0])
@@ -423,7 +423,7 @@ def test_cse_merges_equal_pure_nodes_in_place_keeping_the_first():
     g2.call_function(aten.add_.Tensor, (y, y))
     r2 = g2.call_function(aten.t.default, (y,))
     g2.output((r1, r2))
-    out2 = _cse(fx.GraphModule({}, g2))
+    out2 = cse(fx.GraphModule({}, g2))
     assert sum(n.target is aten.t.default for n in out2.graph.nodes) == 2
 
 
@@ -453,7 +453,9 @@ def test_forward_decomposition_matches_export_run_decompositions(case):
 
     from torch.export.graph_signature import OutputKind
 
-    from fxshard.tracing.export import FUSED_FORWARD, _STOP, _decomposed, _mark_stop_gradients, decomposition_table
+    from fxshard.tracing.decompositions import FUSED_FORWARD, decomposition_table
+    from fxshard.tracing.export import _decomposed
+    from fxshard.tracing.stop_gradients import STOP_GRADIENT, mark_stop_gradients
     from tests.models import MODEL_CASES
 
     if case == "updates":
@@ -462,8 +464,8 @@ def test_forward_decomposition_matches_export_run_decompositions(case):
         mc = next(c for c in MODEL_CASES if c.name == case)
         model, args = mc.make_model(), mc.make_inputs()
     ep = torch.export.export(model, args, strict=False)
-    _mark_stop_gradients(ep.graph_module)
-    table = decomposition_table(lambda t: _STOP(t))
+    mark_stop_gradients(ep.graph_module)
+    table = decomposition_table(lambda t: STOP_GRADIENT(t))
     ours, mutated = _decomposed(ep.graph_module, table)
     # export's table lists every CompositeImplicitAutograd op (its graphs keep them); make_fx needs no entry
     export_table = {**torch.export.default_decompositions(), **table}

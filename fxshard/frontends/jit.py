@@ -56,7 +56,11 @@ from ..runtime.module import Program
 from .common import check_consistent, context_for, graph_outputs, required_outputs
 from ..tracing.annotate import check_divisible, spec_leaves
 from ..planner.solve import PLANNERS
-from ..tracing.export import DROP, _cse, joint_decomposition_table, margin_losses_as_eager, tracing_errors
+from ..tracing.cse import cse
+from ..tracing.decompositions import joint_decomposition_table
+from ..tracing.export import DROP
+from ..tracing.failures import tracing_errors
+from ..tracing.margin_losses import margin_losses_as_eager
 from ..passes.pipeline import DEFAULT, Pipeline
 from ..core.placements import P, Pl
 from ..plans.plan import is_spec_leaf, to_placements
@@ -320,7 +324,7 @@ class ShardedFunction:
                     f"update in place, so write the update as tensor math and return the new state)"
                 )
         g.eliminate_dead_code()
-        gm = _cse(gm)
+        gm = cse(gm)
         return gm, out_tree[0]
 
     # ---- running -----------------------------------------------------------------------------

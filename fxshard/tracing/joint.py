@@ -52,7 +52,10 @@ from ..core.placements import Part, Pl, R
 from ..rules.registry import output_leaves
 from .by_op import by_op_enabled, joint_by_op
 from .remat import Policy, check_policy, fit_budget, layer_sets, recomputed, value_bytes
-from .export import FUSED_GRAD_ARGS, Traced, _cse, joint_decomposition_table, quiet_unless_ok, tracing_errors
+from .cse import cse
+from .decompositions import FUSED_GRAD_ARGS, joint_decomposition_table
+from .export import Traced
+from .failures import quiet_unless_ok, tracing_errors
 from ..core.torch_compat import OpOverload, decomposition_table, free_unbacked_symbols, from_fun, to_fun
 from ..core.torch_compat import make_graph_module as _make_graph_module
 
@@ -222,7 +225,7 @@ def trace_joint(traced: Traced, fwd_gm: fx.GraphModule, wants_grad: list[bool], 
             raise ShardingError(f"internal: the functionalized joint graph still mutates ({n.format_node()}); "
                                 f"please report this model")
     _read_written_noise(gm.graph)
-    gm = _cse(gm)
+    gm = cse(gm)
     grad_out = [i for i in diff_out if needs_grad.get(out_leaves[i], False)]
     return Joint(gm, len(primals), diff_out, diff_in, n_out, grad_out,
                  _reaches(fwd_gm, needs_grad, diff_in, {i: out_leaves[i] for i in grad_out}))
