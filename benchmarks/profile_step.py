@@ -12,7 +12,7 @@ A. Compute-only step time (forward + loss + backward + AdamW), interleaved round
    three controls built from the *same* Megatron local program, traced into one joint forward+backward graph with
    ``make_fx`` (collectives stubbed out; AdamW applied to the returned gradients):
    ``megatron-graph``      — no decompositions (fused CPU kernels kept),
-   ``megatron-graph-fx``   — fxshard's joint table (``fxshard.tracing.export.joint_decomposition_table()``,
+   ``megatron-graph-fx``   — fxshard's joint table (``fxshard.tracing.decompositions.joint_decomposition_table()``,
    exactly what ``fxshard.tracing.joint.trace_joint`` uses: core ATen minus the fused kernels that
    have sharding rules, ``FUSED_FORWARD`` + ``FUSED_BACKWARD``),
    ``megatron-graph-core`` — everything to core ATen (``core_aten_decompositions()`` +

@@ -438,7 +438,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ranks", default="2,3", help="simulated mesh axis sizes, comma-separated (default 2,3)")
     ap.add_argument("-v", "--verbose", action="store_true", help="one line per op")
     a = ap.parse_args(argv)
-    import fxshard  # noqa: F401  (registers every rule)
+    from .. import rules  # noqa: F401  (registers every rule)
 
     if not a.all_registered and not a.ops:
         ap.error("name ops or pass --all-registered")

@@ -14,7 +14,7 @@ functional core-ATen graph with one placeholder per tensor leaf of the
 arguments (in pytree order, named after the argument path, e.g.
 ``in_params_net1_weight``) and one output per leaf of the result:
 ``make_fx(fn, tracing_mode="fake")`` with the table the training graph of
-``fxshard.shard`` is traced with (``fxshard.tracing.export.joint_decomposition_table()``:
+``fxshard.shard`` is traced with (``fxshard.tracing.decompositions.joint_decomposition_table()``:
 fused kernels that have rules kept, ``scatter.value`` rewritten into ops that have rules), attention as one
 ``fxshard::attention`` node (``fxshard/ops/attention.py::attention_as_one_op``, its backward one
 ``fxshard::attention_backward``); a graph with in-place ops is traced again under ``functionalize``

@@ -7,10 +7,10 @@ under fake tensors (``make_fx``): backward ops are ordinary ATen ops, so the
 same rules shard them and the backward collectives fall out of propagation.
 Attention's backward is one ``fxshard::attention_backward`` node (the autograd of
 ``fxshard::attention``, ``fxshard/ops/attention.py``; a learned mask's gradient included).
-Fused kernels that have rules (``trace.FUSED_FORWARD``/``FUSED_BACKWARD``:
+Fused kernels that have rules (``decompositions.FUSED_FORWARD``/``FUSED_BACKWARD``:
 layer-norm and activation backwards, embedding backward) stay one
-node each (``trace.joint_decomposition_table``) unless a gradient is wanted for
-an input their backward does not differentiate (``trace.FUSED_GRAD_ARGS``).
+node each (``decompositions.joint_decomposition_table``) unless a gradient is wanted for
+an input their backward does not differentiate (``decompositions.FUSED_GRAD_ARGS``).
 The trace runs on functional tensors under autograd, as AOTAutograd does, so
 the graph is pure (no in-place op left for CSE or the passes to misread); the
 forward's stop-gradients (``trace.STOP_KEY``) detach; data-dependent sizes get
