@@ -54,6 +54,7 @@ from ..attention_op import route_exported
 from ..constrain import constraint_scope, record
 from ..cumulative_bn import cumulative_batch_norm_traceable
 from ..custom_grads import custom_gradients_checked
+from ..eager_branches import eager_branches
 from ..errors import ShardingError
 from ..forward_state import forward_state_unchanged, warn_traced_hooks
 from ..fake_trace import fake_inputs, functional_make_fx, named_placeholders, reject_effect_tokens
@@ -866,7 +867,7 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
         warn_traced_hooks(model)
         with _forward_inside(model, autocast), _NoGradReadsRefused(), cumulative_batch_norm_traceable(model), \
                 _boundary_hooks(model, boundaries), custom_gradients_checked(model), \
-                forward_state_unchanged(model) as state:
+                forward_state_unchanged(model) as state, eager_branches():
             try:
                 ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                          strict=False)

@@ -4,5 +4,5 @@
 the unsharded op on simulated ranks (``validate.py``; its hand-made samples: ``validate_samples.py``).
 """
 
-from . import attention, conv, embedding, factory, indexing, matmul, norm, pointwise, pool, reduction, view  # noqa: F401
+from . import attention, conv, embedding, factory, indexing, linalg, matmul, norm, pointwise, pool, reduction, view  # noqa: F401
 from . import random  # noqa: F401
