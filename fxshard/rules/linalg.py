@@ -6,8 +6,8 @@ mesh axis admits: all replicated; one batch dim of the output split, each input 
 it broadcasts along it (then replicated); the right-hand sides' free dim (``B``'s last dim when
 ``left``, else its second to last) split with ``A`` replicated, since every column (row) of ``X`` solves
 on its own; and ``B`` ``P(sum)`` with ``A`` replicated giving ``P(sum)`` (``X`` is linear in ``B``). The
-system's own dims of ``A`` are never split: a triangular solve reads the whole matrix. Its backward is
-solves, matmuls and ``tril``/``triu``, which have their own rules.
+system's own dims of ``A`` are never split: a triangular solve reads the whole matrix. Its backward
+(another solve, a matmul, a triangular mask of ``A``'s gradient) decomposes to ops with rules.
 """
 
 from __future__ import annotations
