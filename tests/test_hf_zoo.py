@@ -52,11 +52,12 @@ ZOO: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": {"num_key_value_heads": 4}, "minicpm3": {"num_key_value_heads": 4},
     # others: a Mamba hybrid, ReLU^2 MLPs, eager-only attention
     "jamba": {}, "nanochat": {}, "jais2": {}, "mimo_v2_flash": EAGER,
-    # gated delta-net linear attention (chunked; its triangular solve unrolls 63 steps under export) + full attention
+    # gated delta-net linear attention (chunked, a triangular solve per chunk: fxshard.tracing.eager_branches) + full attention
     "qwen3_5_text": LINEAR_ATTN, "qwen3_5_moe_text": LINEAR_ATTN,
 }
 CI_ARCHS = ["llama", "mistral", "gemma2", "gemma3_text", "qwen3", "phi3", "olmo2", "gpt_neox", "starcoder2", "mixtral",
-            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "llama4_text", "deepseek_v3", "phimoe"]
+            "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "llama4_text", "deepseek_v3", "phimoe", "qwen3_5_text",
+            "qwen3_5_moe_text"]
 
 
 def build(arch: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:

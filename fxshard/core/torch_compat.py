@@ -36,6 +36,13 @@ Behaviour that differs inside the window, with the helper that gives every versi
 * On 2.11 TorchDynamo cannot trace ``id()`` of a tensor made inside an autograd.Function forward: code
   that runs under ``torch.compile`` compares tensors with ``is`` instead.
 
+Behaviour fxshard changes while it traces, in one place each:
+
+* ``exporting_hidden_from``: while active, ``torch.compiler.is_exporting()`` (the public function, which
+  reads the private ``torch.compiler._is_exporting_flag`` that ``torch.export`` sets) answers False to
+  the functions a predicate names, and the real flag to every other caller (torch's own export machinery
+  among them). ``fxshard/tracing/eager_branches.py`` says which functions and why.
+
 A fallback is chosen by whether torch has the name, never by the version number (2.12 was not tried;
 it gets whichever it needs); the one switch by version number is ``dynamo_safe_function_outputs``.
 ``tests/test_torch_compat.py`` hides each new name and checks the fallback against the real one, and
@@ -49,8 +56,12 @@ their names here are functions that import on call, or attributes resolved on fi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
-from typing import Any, Callable
+import sys
+import types
+from typing import Any, Callable, Iterator
 
 import sympy
 import torch
@@ -234,6 +245,40 @@ def set_rng_seed(seed: int) -> None:
     seed_all(seed)
 
 
+@contextlib.contextmanager
+def exporting_hidden_from(hidden: Callable[[types.CodeType, str], bool], depth: int = 2) -> Iterator[None]:
+    """While active, ``torch.compiler.is_exporting()`` returns False when one of the
+    ``depth`` innermost frames of its caller (the caller itself, then the caller's caller: a helper such as
+    transformers' ``is_torchdynamo_exporting`` sits between) runs code for which ``hidden(code, module name)``
+    is true; otherwise it returns what torch's flag says.
+
+    Requires: ``hidden`` cheap and side-effect free (torch's fake tensors ask on every creation).
+    Ensures: on exit ``torch.compiler.is_exporting`` is the function it was on entry; nested uses restore
+    in order. Every version of the window (2.11-2.14) has ``torch.compiler.is_exporting``, reading
+    ``torch.compiler._is_exporting_flag``, and torch's own callers look it up as an attribute on every call.
+    """
+    real = torch.compiler.is_exporting
+
+    @functools.wraps(real)
+    def is_exporting() -> bool:
+        if not real():
+            return False
+        frame = sys._getframe(1)
+        for _ in range(depth):
+            if frame is None:
+                break
+            if hidden(frame.f_code, frame.f_globals.get("__name__", "")):
+                return False
+            frame = frame.f_back
+        return True
+
+    torch.compiler.is_exporting = is_exporting
+    try:
+        yield
+    finally:
+        torch.compiler.is_exporting = real
+
+
 _LAZY = {
     "FakeStore": ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
     "op_db": ("torch.testing._internal.common_methods_invocations", "op_db"),
@@ -254,7 +299,7 @@ __all__ = [
     "BackwardHookFunction", "canonicalize_dim", "classmethod_function", "compute_local_shape_and_global_offset",
     "core_aten_decompositions_post_autograd", "COPY_META_FIELDS", "CUSTOM_OP_AUTOGRAD_MODULE_PREFIX", "decomposition_table",
     "disabled_torch_function_impl", "DYNAMO_INLINE_NN_MODULES_FLAG", "dynamo_safe_function_outputs",
-    "elementwise_dtypes", "ELEMENTWISE_TYPE_PROMOTION_KIND", "enable_python_dispatcher",
+    "elementwise_dtypes", "ELEMENTWISE_TYPE_PROMOTION_KIND", "enable_python_dispatcher", "exporting_hidden_from",
     "extract_tensor_metadata", "FakeStore", "FakeTensor", "FakeTensorMode", "free_unbacked_symbols", "from_fun",
     "FunctionalTensorMode", "get_default_backend", "get_graph_module_cls", "get_proxy_mode", "get_proxy_slot",
     "guard_or_false", "guards_tracing", "has_data_mutation", "has_metadata_mutation",

@@ -119,7 +119,21 @@ def _batch_norm(*training: bool) -> Make:
     return make
 
 
+def _solve_triangular(a_batch: tuple[int, ...], b_batch: tuple[int, ...], upper: bool = False, left: bool = True,
+                      unit: bool = False, n: int = 5, k: int = 3) -> Make:
+    """``linalg_solve_triangular(A, B, upper=, left=, unitriangular=)``: ``A`` ``[*a_batch, n, n]`` with a
+    dominant diagonal (well conditioned), ``B`` ``[*b_batch, n, k]`` (``[*b_batch, k, n]`` when not left)."""
+    def make() -> tuple[tuple, dict]:
+        a = rnd(*a_batch, n, n, seed=40) * 0.3 + 3 * torch.eye(n)
+        b = rnd(*b_batch, *((n, k) if left else (k, n)), seed=41)
+        return ((a, b), {"upper": upper, "left": left, "unitriangular": unit})
+    return make
+
+
 SAMPLES: dict[Any, list[Make]] = {
+    aten.linalg_solve_triangular.default: [_solve_triangular((2, 3), (2, 3)), _solve_triangular((3,), (2, 3), upper=True),
+                                           _solve_triangular((2, 1), (2, 3), left=False, unit=True),
+                                           _solve_triangular((), (4,), k=5)],
     aten.upsample_nearest2d.vec: [lambda: ((rnd(3, 5, 4, 6, seed=3), None, [2.0, 1.5]), {}),
                                   lambda: ((rnd(5, 3, 3, 4, seed=4), [6, 5], None), {})],
     aten.upsample_bilinear2d.vec: [lambda: ((rnd(3, 5, 4, 6, seed=3), None, False, [2.0, 1.5]), {}),

@@ -4,15 +4,5 @@
 the unsharded op on simulated ranks (``validate.py``; its hand-made samples: ``validate_samples.py``).
 """
 
-from . import attention
-from . import conv
-from . import embedding
-from . import factory
-from . import indexing
-from . import matmul
-from . import norm
-from . import pointwise
-from . import pool
-from . import reduction
-from . import view  # noqa: F401
+from . import attention, conv, embedding, factory, indexing, linalg, matmul, norm, pointwise, pool, reduction, view  # noqa: F401
 from . import random  # noqa: F401

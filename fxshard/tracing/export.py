@@ -48,6 +48,7 @@ from torch.utils import _pytree as pytree
 from ..ops.attention import route_exported
 from ..plans.constrain import constraint_scope, record
 from .cumulative_bn import cumulative_batch_norm_traceable
+from .eager_branches import eager_branches
 from .custom_grads import custom_gradients_checked
 from ..core.errors import ShardingError
 from .forward_state import forward_state_unchanged, warn_traced_hooks
@@ -294,7 +295,7 @@ def _export_decomposed(model: torch.nn.Module, args: Any, kwargs: Any, dynamic_s
         warn_traced_hooks(model)
         with _forward_inside(model, autocast), _NoGradReadsRefused(), cumulative_batch_norm_traceable(model), \
                 _boundary_hooks(model, boundaries), custom_gradients_checked(model), \
-                forward_state_unchanged(model) as state:
+                forward_state_unchanged(model) as state, eager_branches():
             try:
                 ep = torch.export.export(model, tuple(args), kwargs or None, dynamic_shapes=dynamic_shapes,
                                          strict=False)
