@@ -108,7 +108,7 @@ def layer_violations(graph: dict[str, set[str]], layers: list[str] = LAYERS) -> 
     top-level module of the package (``fxshard/__init__``, ``models``: they sit above every layer)."""
     def rank(m: str) -> int:
         parts = m.split(".")
-        return layers.index(parts[1]) if len(parts) > 2 and parts[1] in layers else len(layers)
+        return layers.index(parts[1]) if len(parts) >= 2 and parts[1] in layers else len(layers)
 
     return sorted((m, t) for m, ts in graph.items() if rank(m) < len(layers) for t in ts if rank(t) > rank(m))
 

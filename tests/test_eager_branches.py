@@ -126,7 +126,7 @@ def _solve_cases(rank: int, world: int) -> dict:
 
     import fxshard
     from fxshard import P
-    from fxshard.ir import STRATEGY_KEY
+    from fxshard.core.ir import STRATEGY_KEY
 
     mesh = fxshard.init_mesh(tp=world)
     gen = torch.Generator().manual_seed(0)

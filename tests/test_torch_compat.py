@@ -154,7 +154,8 @@ def counted(name, fn):
 
 import torch.distributed as dist
 import fxshard
-from fxshard.passes import layout, propagate, solve
+from fxshard.analysis import layout
+from fxshard.planner import propagate, solve
 
 # the passes bound optimization_hint when fxshard was imported; the softmax decomposition binds its name on use
 bound = [m.optimization_hint is tc.optimization_hint for m in (layout, propagate, solve)]
