@@ -46,8 +46,8 @@ from ..rules.registry import (OpCall, Strategy, allows_uneven, lookup, out_shape
                         strategy_specs, strategy_valid, tensor_inputs, tensor_output_leaves)
 from ..rules.attention import WORK as ATTENTION_WORK, flops as attention_flops
 from ..rules.matmul import ADD_EINSUMS, EINSUMS
-from ..core.spec import META_KEY, Spec
-from ..core.ir import FALLBACK_KEY, IN_KEY, STRATEGY_KEY
+from ..core.spec import Spec
+from ..core.ir import FALLBACK_KEY, IN_KEY, META_KEY, STRATEGY_KEY
 from ..core.torch_compat import optimization_hint
 
 __all__ = ["solve", "price", "build_problem", "solve_problem", "greedy_is_optimal", "Problem", "PLANNERS"]
