@@ -309,7 +309,7 @@ def test_program_is_planned_from_the_plan_the_layouts_were_chosen_with(fake_mesh
     wire bytes). The re-planning starts from that plan (``solve_within``'s hint): here its MILPs are made to
     return the greedy plan, and the program is still planned at the auto plan's cost."""
     import fxshard.planner.auto as auto
-    from fxshard.planner.solve import UNIT, plan_cost
+    from fxshard.planner.formulate import UNIT, plan_cost
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     real, final = auto.solve_within, []

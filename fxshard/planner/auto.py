@@ -57,7 +57,8 @@ from ..analysis.liveness import liveness, liveness_peak_of
 from ..core.placements import Pl, R, S
 from ..core.sizes import fmt_bytes as _fmt, parse_bytes
 from ..core.spec import Spec
-from .solve import UNIT, build_problem, layouts, plan_cost, solve_problem
+from .formulate import UNIT, layouts, plan_cost, solve_problem
+from .problem import build_problem
 
 __all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "solve_within", "measure",
            "next_margin", "ADAMW_STATES", "STATE_BYTES"]
