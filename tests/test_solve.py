@@ -445,3 +445,24 @@ def test_patient_rounds_stop_after_two_stalls_counted_from_the_first_plan_that_f
     monkeypatch.setattr(formulate_module, "plan_cost", lambda problem, picks: next(costs))
     solve_problem(problem, rounds=6, patient=True, admissible=lambda picks: False)
     assert len(columns) == 3
+
+
+def test_a_milp_without_a_feasible_plan_is_a_no_plan_error(mesh2):
+    """A MILP of ``solve_problem`` made infeasible (one choice's column pinned to 1 and to 0): the failure is a
+    ``NoPlanError``, the type auto-sharding catches (a budget no plan fits, a pair move's layout that nothing
+    fits), not its message's text; still a ShardingError and a ValueError to users."""
+    from fxshard.core.errors import NoPlanError
+
+    with torch.device("meta"):
+        model, x = models.ToyModel(64, 128), torch.empty(32, 64)
+    _, problems = _solve_problems(model, mesh2, {}, example_inputs=(x,))
+    problem = problems[0]
+    name = next(iter(problem.nodes))
+
+    def infeasible(m, cols) -> None:
+        m.row([(cols[name][0][0], 1.0)], 1.0, 1.0)
+        m.row([(cols[name][0][0], 1.0)], 0.0, 0.0)
+
+    with pytest.raises(NoPlanError, match="found no plan") as raised:
+        solve_problem(problem, extend=infeasible)
+    assert isinstance(raised.value, ShardingError) and isinstance(raised.value, ValueError)

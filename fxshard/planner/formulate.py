@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import milp
-from ..core.errors import ShardingError
+from ..core.errors import NoLegalPlanError, NoPlanError, ShardingError
 from ..core.placements import Pl, S
 from .problem import AxisChoice, Layout, NodeVars, Problem, ValueKey, links_of, price
 
@@ -224,7 +224,8 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
     also cycle among plans of equal cost up to the greedy tie-break). Nodes in ``problem.shared`` take their
     representative's columns (every instance's compute and edges still priced).
     ``illegal(picks)`` names nodes whose per-axis picks split a tensor illegally together (3+ axes);
-    each such combination is excluded and the MILP solved again. Logs the problem's size and the
+    each such combination is excluded and the MILP solved again (``NoLegalPlanError`` after ``MAX_ROUNDS``
+    exclusions; ``NoPlanError`` when a MILP is infeasible, e.g. under ``extend``'s rows). Logs the problem's size and the
     solve time on the ``fxshard.planner.solve`` logger (INFO). ``extend(model, x)`` adds columns and rows
     to each MILP (auto-sharding's memory budget); the greedy plan competes only if ``admissible(picks)``;
     ``gap`` is HiGHS's relative optimality gap; with ``time_limit`` (seconds per MILP) the best solution
@@ -261,7 +262,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
                 LOG.info("MILP stopped at its time limit (%.0f s), gap %.3g", time_limit,
                          -1 if res.mip_gap is None else res.mip_gap)
             elif res.x is None or not res.success:
-                raise ShardingError(f"internal: the global planner's MILP found no plan ({res.message}); "
+                raise NoPlanError(f"internal: the global planner's MILP found no plan ({res.message}); "
                                     f"use planner='greedy' and please report this model")
             picks = {name: tuple(int(np.argmax([res.x[i] for i in cols])) for cols in per_axis)
                      for name, per_axis in x.items()}
@@ -271,7 +272,7 @@ def solve_problem(problem: Problem, illegal=lambda picks: [], rounds: int = 3, e
             for name in bad:  # exclude this combination of per-axis picks
                 m.row([(x[name][a][i], 1.0) for a, i in enumerate(picks[name])], 0.0, len(picks[name]) - 1.0)
         else:
-            raise ShardingError(f"internal: the global planner found no legal plan in {MAX_ROUNDS} rounds; "
+            raise NoLegalPlanError(f"internal: the global planner found no legal plan in {MAX_ROUNDS} rounds; "
                                 f"use planner='greedy' and please report this model")
         tried += 1
         cost = plan_cost(problem, picks)
