@@ -10,8 +10,9 @@ Parameters and buffers the plan places, and buffers, stay as given.
 
 The memory budget is linear rows of the MILP. Per rank, for a parameter of ``n`` elements of
 ``b`` bytes whose layout splits it ``f`` ways: ``n*b/f`` (the parameter), plus for a trained
-parameter ``n*b/f`` (its gradient) and ``2*n*4/f`` (AdamW's two fp32 states; FSDP and tensor
-splits shard optimizer state like the parameter). Per-axis choices make ``1/f`` a product, so each
+parameter ``n*b/f`` (its gradient) and ``2*n*b/f`` (AdamW's two states, which torch keeps in the
+parameter's dtype, as ``fxshard.memory`` counts them; FSDP and tensor splits shard optimizer state like
+the parameter). Per-axis choices make ``1/f`` a product, so each
 parameter also gets one binary per N-D layout, tied to its per-axis binaries. Activations
 (``_Activations``): every value of the planned graph (forward + backward for training, parameter
 gradients included) has its local bytes as a variable bounded below by two linearizations of the
@@ -53,7 +54,7 @@ from ..tracing.export import Traced
 from ..core.context import ShardContext
 from ..core.errors import NoLegalPlanError, NoPlanError, ShardingError
 from ..core.ir import META_KEY
-from ..analysis.liveness import liveness, liveness_peak_of
+from ..analysis.liveness import OPTIMIZER_STATES, liveness, liveness_peak_of
 from ..core.placements import Pl, R, S
 from ..core.sizes import fmt_bytes as _fmt, parse_bytes
 from ..core.spec import Spec
@@ -61,10 +62,8 @@ from .formulate import UNIT, layouts, plan_cost, solve_problem
 from .problem import build_problem
 
 __all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "solve_within", "measure",
-           "next_margin", "ADAMW_STATES", "STATE_BYTES"]
+           "next_margin", "state_bytes"]
 
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq per trained parameter element
-STATE_BYTES = 4  # each kept in fp32
 # the budget makes the MILP a knapsack: proving the last percent costs minutes, and the chosen layouts are
 # planned again (planner="global", the parameters fixed) when the model is sharded
 GAP = 0.001  # relative to the objective, which includes the (large) compute term: 1% let through 2x the comm
@@ -161,8 +160,8 @@ def _legal(shape: tuple[int, ...], layout: tuple[Pl, ...], sizes: tuple[int, ...
 
 def state_bytes(val: torch.Tensor, layout: tuple[Pl, ...], sizes: tuple[int, ...], trained: bool) -> int:
     """Per-rank bytes of a parameter in ``layout``: itself, and when ``trained`` its gradient and AdamW's
-    two fp32 states (module doc)."""
-    per = val.dtype.itemsize * (2 if trained else 1) + (ADAMW_STATES * STATE_BYTES if trained else 0)
+    states (``OPTIMIZER_STATES["adamw"]`` tensors in the parameter's dtype; module doc)."""
+    per = val.dtype.itemsize * (1 + (1 + OPTIMIZER_STATES["adamw"] if trained else 0))
     return val.numel() * per // _split(layout, sizes)
 
 
