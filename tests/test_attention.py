@@ -201,7 +201,7 @@ def test_meta_traced_graph_is_device_neutral_and_runs_on_cpu():
 def test_the_global_planner_prices_attention_work():
     """Replicated attention (every rank computing every head) is not free to the planner."""
     from fxshard.tracing.joint import trace_joint
-    from fxshard.planner.solve import _flops
+    from fxshard.planner.problem import _flops
     from fxshard.tracing.export import trace_forward
 
     traced = trace_forward(_model("gqa_enable"), (torch.randn(B, T, D),), {})

@@ -65,6 +65,23 @@ def test_auto_prices_gradients_as_the_bucket_pass_will_send_them(fake_mesh, monk
     assert seen == [(25, n_grads), (None, 0)], seen  # without buckets every gradient pays a latency
 
 
+def test_state_bytes_counts_adamw_states_in_the_parameter_dtype():
+    """Auto-sharding's per-rank state of a parameter is what torch allocates for it: the parameter, its gradient
+    and AdamW's exp_avg and exp_avg_sq, which torch.optim.AdamW keeps in the parameter's dtype (as
+    ``fxshard.memory(sm, "adamw")`` counts them; auto counted two fp32 states, 1.5x a bf16 parameter's),
+    divided by its layout's split."""
+    from fxshard.planner.auto import state_bytes
+
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        p = torch.nn.Parameter(torch.randn(8, 6).to(dtype))
+        p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW([p])
+        opt.step()
+        held = sum(t.numel() * t.element_size() for t in (p, p.grad, *opt.state[p].values()) if t.dim())  # not step
+        assert state_bytes(p.detach(), (S(0),), (2,), trained=True) == held // 2, dtype
+        assert state_bytes(p.detach(), (R, S(1)), (2, 3), trained=False) == p.numel() * p.element_size() // 3
+
+
 def test_parse_budget():
     assert parse_budget("8GiB") == 8 * 2**30 and parse_budget("1.5 GB") == 1_500_000_000
     assert parse_budget(1000) == 1000 and parse_budget("512mib") == 512 * 2**20 and parse_budget(None) is None
@@ -309,7 +326,7 @@ def test_program_is_planned_from_the_plan_the_layouts_were_chosen_with(fake_mesh
     wire bytes). The re-planning starts from that plan (``solve_within``'s hint): here its MILPs are made to
     return the greedy plan, and the program is still planned at the auto plan's cost."""
     import fxshard.planner.auto as auto
-    from fxshard.planner.solve import UNIT, plan_cost
+    from fxshard.planner.formulate import UNIT, plan_cost
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     real, final = auto.solve_within, []

@@ -27,7 +27,7 @@ from fxshard import ColwiseParallel, P, RowwiseParallel
 from fxshard.tracing.export import trace_forward
 from fxshard.core.placements import Part, R, S
 from fxshard.rules.random import GLOBAL_RNG
-from fxshard.core.spec import META_KEY
+from fxshard.core.ir import META_KEY
 from tests.conftest import fake_world
 from tests.dist_utils import run_ranks
 from tests.test_rules import node_of, rnd, st_, strategies

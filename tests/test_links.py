@@ -55,7 +55,7 @@ def test_both_planners_price_each_step_on_its_axis_link(fake_mesh, monkeypatch):
     change and the greedy sweep's per-axis price both scale with the axis's link, and torchrun's node layout
     sets the default."""
     from fxshard.planner.cost import axis_link, linked_mesh_info
-    from fxshard.planner.solve import price
+    from fxshard.planner.problem import price
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # dp spans nodes

@@ -26,7 +26,7 @@ from fxshard.state.checkpoint import take
 from fxshard.core.mesh import MeshInfo
 from fxshard.core.placements import R, S, to_torch
 from fxshard.plans.plan import resolve_plan
-from fxshard.core.spec import META_KEY
+from fxshard.core.ir import META_KEY
 from tests import models
 from tests.conftest import fake_world
 from tests.dist_utils import run_ranks

@@ -39,7 +39,8 @@ from fxshard.passes.verify import verify
 from fxshard.passes.pipeline import DEFAULT
 from fxshard.core.placements import Part, R, S
 from fxshard.plans.plan import resolve_plan, to_placements
-from fxshard.core.spec import META_KEY, Spec
+from fxshard.core.ir import META_KEY
+from fxshard.core.spec import Spec
 from tests import models
 from tests.test_forward_parity import transformer_plan
 from tests.conftest import fake_world

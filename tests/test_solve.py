@@ -11,8 +11,11 @@ import torch
 
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
-from fxshard.planner import solve as solve_module
-from fxshard.planner.solve import build_problem, greedy_is_optimal, plan_cost, solve, solve_problem
+from fxshard.planner import formulate as formulate_module, solve as solve_module
+from fxshard.planner.certificate import greedy_is_optimal
+from fxshard.planner.formulate import plan_cost, solve_problem
+from fxshard.planner.problem import build_problem, price
+from fxshard.planner.solve import solve
 from fxshard.passes.pipeline import DEFAULT, Pipeline
 from fxshard.core.placements import S
 from torch.distributed.tensor import Replicate, Shard
@@ -67,11 +70,11 @@ def test_a_bucketed_gradient_pays_a_share_of_its_last_reductions_latency():
 
     whole, bucketed = (Link(), Link()), (Link(bucket=4 * 2**20), Link(bucket=4 * 2**20))
     nbytes = 2**20
-    saved = (solve_module.price((Part(), Part()), (R, R), nbytes, (2, 2), whole)
-             - solve_module.price((Part(), Part()), (R, R), nbytes, (2, 2), bucketed))
+    saved = (price((Part(), Part()), (R, R), nbytes, (2, 2), whole)
+             - price((Part(), Part()), (R, R), nbytes, (2, 2), bucketed))
     assert saved == pytest.approx(ALPHA * (1 - 1 / 4))  # the dp all-reduce moves the whole MiB: 1/4 of a bucket
-    assert solve_module.price((S(0), R), (R, R), nbytes, (2, 2), bucketed) == \
-        solve_module.price((S(0), R), (R, R), nbytes, (2, 2), whole)
+    assert price((S(0), R), (R, R), nbytes, (2, 2), bucketed) == \
+        price((S(0), R), (R, R), nbytes, (2, 2), whole)
 
 
 def test_bucketed_gradients_pay_a_share_of_one_latency_so_dp_x_tp_plans_are_ddp(fake_mesh):
@@ -180,18 +183,16 @@ def test_layer_clustering_shares_the_middle_layers_at_the_unclustered_cost(fake_
     border the embedding and the head, so they keep their own), each member with its representative's
     candidates; solved again without sharing, the same problem's optimum costs the same."""
     from fxshard.planner.clusters import block_instances
-    from fxshard.planner import solve as solve_mod
-
     mesh = fake_mesh(2)
     seen = []
-    real_cluster = solve_mod.cluster
+    real_cluster = solve_module.cluster
 
     def spy(gm, problem):
         shared = real_cluster(gm, problem)  # later passes rewrite gm: read it now
         seen.append(({n.name: n.target for n in gm.graph.nodes}, block_instances(gm), problem, dict(shared)))
         return shared
 
-    monkeypatch.setattr(solve_mod, "cluster", spy)
+    monkeypatch.setattr(solve_module, "cluster", spy)
     with torch.device("meta"):
         model = models.LlamaDecoder(vocab=2048, dim=256, n_heads=8, n_kv_heads=4, n_layers=4, hidden=512, max_seq=128)
     tokens = torch.zeros(8, 128, dtype=torch.long)
@@ -206,12 +207,12 @@ def test_layer_clustering_shares_the_middle_layers_at_the_unclustered_cost(fake_
     assert set(shared) | set(shared.values()) == in_layer(1) | in_layer(2)
     assert len(in_layer(1)) == len(in_layer(2)) == len(shared)
 
-    clustered = solve_mod.solve_problem(problem)
+    clustered = solve_problem(problem)
     assert all(clustered[m] == clustered[r] for m, r in shared.items())
     problem.shared = {}
-    alone = solve_mod.solve_problem(problem)
-    assert solve_mod.plan_cost(problem, clustered) == pytest.approx(solve_mod.plan_cost(problem, alone), rel=1e-9)
-    assert solve_mod.plan_cost(problem, clustered) < solve_mod.plan_cost(problem, {n: nv.greedy for n, nv in
+    alone = solve_problem(problem)
+    assert plan_cost(problem, clustered) == pytest.approx(plan_cost(problem, alone), rel=1e-9)
+    assert plan_cost(problem, clustered) < plan_cost(problem, {n: nv.greedy for n, nv in
                                                                                    problem.nodes.items()})
 
 
@@ -282,7 +283,7 @@ def _greedy_and_solved(problem) -> tuple[float, float]:
 def test_a_provably_optimal_greedy_plan_skips_the_milp(mesh2, monkeypatch):
     """Seed 000's Megatron MLP (built on meta, matmuls large enough that their compute outweighs a
     collective's latency): the styles pin every layout around the two matmuls, so the greedy plan is
-    provably optimal (``solve.greedy_is_optimal``) in the forward and the training program: the default
+    provably optimal (``certificate.greedy_is_optimal``) in the forward and the training program: the default
     planner returns it without building a MILP, and the solver, run anyway, finds nothing cheaper."""
     plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel()}
 
@@ -355,7 +356,7 @@ def test_every_candidate_splits_legally_on_its_axis(mesh2):
     packed split of the [15] result that does not divide (legal only for even pieces); the solver took it on a
     1-D mesh, where only pairs of axes were checked, and the ranks' pieces then differed in size (a gloo size
     mismatch in the OpInfo sweep). Every candidate the solver keeps must split legally on its own axis."""
-    from fxshard.planner.solve import _legal
+    from fxshard.planner.problem import _legal
 
     seen = []
 
@@ -375,13 +376,13 @@ def test_every_candidate_splits_legally_on_its_axis(mesh2):
 
 
 def test_candidates_shared_across_identical_layers_are_what_each_node_computes(fake_mesh):
-    """build_problem computes a decision node's candidates once per signature (``solve._signature``: the op,
+    """build_problem computes a decision node's candidates once per signature (``problem._signature``: the op,
     its arguments, shapes, dtypes and placements) and hands identical layers the same result: on a 2-layer
     Llama's training graph, on a 2x2 mesh, every node's candidates and illegal pairs are what computing them
     for that node alone gives, and most nodes share a signature with another."""
     from fxshard.plans.constrain import CONSTRAIN_OP
     from fxshard.core.ir import STRATEGY_KEY
-    from fxshard.planner.solve import _candidates, _signature
+    from fxshard.planner.problem import _candidates, _signature
 
     mesh = fake_mesh(4, shape=(2, 2), names=("dp", "tp"))
     checked = []
@@ -420,7 +421,7 @@ def test_patient_rounds_stop_after_two_stalls_counted_from_the_first_plan_that_f
                                   example_inputs=(x,), in_specs=(P("dp"),))
     problem = next(p for p in problems if len(p.sizes) == 2 and any(len(nv.axes[0]) > 1 for nv in p.nodes.values()))
     name = next(n for n, nv in problem.nodes.items() if len(nv.axes[0]) > 1)
-    columns, real_formulate = [], solve_module._formulate
+    columns, real_formulate = [], formulate_module._formulate
 
     def formulate(*args):
         m, cols = real_formulate(*args)
@@ -438,9 +439,30 @@ def test_patient_rounds_stop_after_two_stalls_counted_from_the_first_plan_that_f
         return milp.Result(vec, 0, True, "scripted", 0.0)
 
     costs = iter([10.0] + [5.0 - k * 1e-9 for k in range(10)])
-    monkeypatch.setattr(solve_module, "_formulate", formulate)
+    monkeypatch.setattr(formulate_module, "_formulate", formulate)
     monkeypatch.setattr(milp, "solve", scripted)
     monkeypatch.setattr(milp, "prestart", lambda: None)
-    monkeypatch.setattr(solve_module, "plan_cost", lambda problem, picks: next(costs))
+    monkeypatch.setattr(formulate_module, "plan_cost", lambda problem, picks: next(costs))
     solve_problem(problem, rounds=6, patient=True, admissible=lambda picks: False)
     assert len(columns) == 3
+
+
+def test_a_milp_without_a_feasible_plan_is_a_no_plan_error(mesh2):
+    """A MILP of ``solve_problem`` made infeasible (one choice's column pinned to 1 and to 0): the failure is a
+    ``NoPlanError``, the type auto-sharding catches (a budget no plan fits, a pair move's layout that nothing
+    fits), not its message's text; still a ShardingError and a ValueError to users."""
+    from fxshard.core.errors import NoPlanError
+
+    with torch.device("meta"):
+        model, x = models.ToyModel(64, 128), torch.empty(32, 64)
+    _, problems = _solve_problems(model, mesh2, {}, example_inputs=(x,))
+    problem = problems[0]
+    name = next(iter(problem.nodes))
+
+    def infeasible(m, cols) -> None:
+        m.row([(cols[name][0][0], 1.0)], 1.0, 1.0)
+        m.row([(cols[name][0][0], 1.0)], 0.0, 0.0)
+
+    with pytest.raises(NoPlanError, match="found no plan") as raised:
+        solve_problem(problem, extend=infeasible)
+    assert isinstance(raised.value, ShardingError) and isinstance(raised.value, ValueError)

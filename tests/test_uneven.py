@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import fxshard
 from fxshard import ColwiseParallel, P, RowwiseParallel, ShardingError
 from fxshard.planner.propagate import STRATEGY_KEY
-from fxshard.core.spec import META_KEY, can_split, chunk, local_shape
+from fxshard.core.ir import META_KEY
+from fxshard.core.spec import can_split, chunk, local_shape
 from fxshard.core.placements import R, S
 from tests.dist_utils import run_ranks
 from tests.test_training import _max_param_diff, _train

@@ -1,4 +1,5 @@
-"""The single exception type fxshard raises for anything the user can fix."""
+"""The single exception type fxshard raises for anything the user can fix, and the subclasses whose type
+fxshard's own control flow branches on (never on a message's text)."""
 
 
 class ShardingError(ValueError):
@@ -9,6 +10,16 @@ class ShardingError(ValueError):
     needs at least one element on each of the 4 ranks; use a mesh whose split divides 6 or leave
     dim 0 unsplit``.
     """
+
+
+class NoPlanError(ShardingError):
+    """The global planner's MILP found no feasible plan (e.g. none within auto-sharding's memory rows, or
+    none before its time limit): callers that add rows may retry without them (``planner/auto.py``)."""
+
+
+class NoLegalPlanError(ShardingError):
+    """Every plan the global planner's MILP found, in its rounds of excluding them, split some tensor
+    illegally across 3+ mesh axes together."""
 
 
 def name_few(names: "list[str]", limit: int, sep: str = ", ") -> str:

@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.fx as fx
 
-from .spec import META_KEY, Spec
+from .spec import Spec
 from .torch_compat import OpOverload
 
 aten = torch.ops.aten
@@ -39,6 +39,7 @@ __all__ = [
     "OpClass", "OP_CLASSES", "is_op", "is_random", "VIEW_OPS", "SHAPE_ARGS", "SIZE_ARGS",
 ]
 
+META_KEY = "fxshard_spec"
 IN_KEY = "fxshard_in"
 STRATEGY_KEY = "fxshard_strategy"
 FALLBACK_KEY = "fxshard_fallback"

@@ -10,10 +10,8 @@ import torch
 from .placements import Part, Pl, R, S
 from .symbolic import Dim, ceil_div, divides, exact_div, is_concrete, prod
 
-__all__ = ["Spec", "META_KEY", "fmt_placements", "shard_factor", "local_shape", "chunk", "can_split",
+__all__ = ["Spec", "fmt_placements", "shard_factor", "local_shape", "chunk", "can_split",
            "split_ok", "local_outer", "is_uneven", "chunk_index"]
-
-META_KEY = "fxshard_spec"
 
 
 def fmt_placements(pls: Sequence[Pl]) -> str:

@@ -35,7 +35,8 @@ from ..core.context import ShardContext
 from ..core.mesh import MeshInfo
 from ..core.placements import Part, Pl, R, S
 from ..rules.registry import OpCall, Strategy, lookup, out_shape_of, registered_ops, tensor_inputs
-from ..core.spec import META_KEY, Spec, chunk
+from ..core.ir import META_KEY
+from ..core.spec import Spec, chunk
 from ..core.symbolic import sym_shape
 from ..core.torch_compat import FakeTensorMode
 from .op_samples import op_samples, opinfos_by_name, outputs_as_list

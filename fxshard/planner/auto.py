@@ -10,8 +10,9 @@ Parameters and buffers the plan places, and buffers, stay as given.
 
 The memory budget is linear rows of the MILP. Per rank, for a parameter of ``n`` elements of
 ``b`` bytes whose layout splits it ``f`` ways: ``n*b/f`` (the parameter), plus for a trained
-parameter ``n*b/f`` (its gradient) and ``2*n*4/f`` (AdamW's two fp32 states; FSDP and tensor
-splits shard optimizer state like the parameter). Per-axis choices make ``1/f`` a product, so each
+parameter ``n*b/f`` (its gradient) and ``2*n*b/f`` (AdamW's two states, which torch keeps in the
+parameter's dtype, as ``fxshard.memory`` counts them; FSDP and tensor splits shard optimizer state like
+the parameter). Per-axis choices make ``1/f`` a product, so each
 parameter also gets one binary per N-D layout, tied to its per-axis binaries. Activations
 (``_Activations``): every value of the planned graph (forward + backward for training, parameter
 gradients included) has its local bytes as a variable bounded below by two linearizations of the
@@ -51,19 +52,18 @@ from ..tracing.joint import CollectiveGradient, joint_context, trace_joint
 from .propagate import propagate
 from ..tracing.export import Traced
 from ..core.context import ShardContext
-from ..core.errors import ShardingError
+from ..core.errors import NoLegalPlanError, NoPlanError, ShardingError
 from ..core.ir import META_KEY
-from ..analysis.liveness import liveness, liveness_peak_of
+from ..analysis.liveness import OPTIMIZER_STATES, liveness, liveness_peak_of
 from ..core.placements import Pl, R, S
 from ..core.sizes import fmt_bytes as _fmt, parse_bytes
 from ..core.spec import Spec
-from .solve import UNIT, build_problem, layouts, plan_cost, solve_problem
+from .formulate import UNIT, layouts, plan_cost, solve_problem
+from .problem import build_problem
 
 __all__ = ["parse_budget", "AutoChoice", "AutoReport", "complete_plan", "choose_placements", "solve_within", "measure",
-           "next_margin", "ADAMW_STATES", "STATE_BYTES"]
+           "next_margin", "state_bytes"]
 
-ADAMW_STATES = 2  # exp_avg and exp_avg_sq per trained parameter element
-STATE_BYTES = 4  # each kept in fp32
 # the budget makes the MILP a knapsack: proving the last percent costs minutes, and the chosen layouts are
 # planned again (planner="global", the parameters fixed) when the model is sharded
 GAP = 0.001  # relative to the objective, which includes the (large) compute term: 1% let through 2x the comm
@@ -160,8 +160,8 @@ def _legal(shape: tuple[int, ...], layout: tuple[Pl, ...], sizes: tuple[int, ...
 
 def state_bytes(val: torch.Tensor, layout: tuple[Pl, ...], sizes: tuple[int, ...], trained: bool) -> int:
     """Per-rank bytes of a parameter in ``layout``: itself, and when ``trained`` its gradient and AdamW's
-    two fp32 states (module doc)."""
-    per = val.dtype.itemsize * (2 if trained else 1) + (ADAMW_STATES * STATE_BYTES if trained else 0)
+    states (``OPTIMIZER_STATES["adamw"]`` tensors in the parameter's dtype; module doc)."""
+    per = val.dtype.itemsize * (1 + (1 + OPTIMIZER_STATES["adamw"] if trained else 0))
     return val.numel() * per // _split(layout, sizes)
 
 
@@ -279,21 +279,41 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
     footprint (state + the activation peak of ``_Activations``) fits ``budget - margin``; a ShardingError
     with the smallest footprint otherwise."""
     t0 = time.perf_counter()
-    sizes = tuple(ctx.mesh.sizes)
-    room = None if budget is None else budget - margin
-    vals = {n.name: n.meta["val"] for n in gm.graph.nodes if n.name in free}
-    cands = {name: [[R] + [S(d) for d, s in enumerate(v.shape) if s % n == 0 and n > 1] for n in sizes]
-             for name, v in vals.items()}
-    options = {name: [lay for lay in itertools.product(*cands[name]) if _legal(tuple(v.shape), lay, sizes)]
-               for name, v in vals.items()}
-    cost = {name: [state_bytes(vals[name], lay, sizes, name in trained) for lay in lays]
-            for name, lays in options.items()}
-    problem = build_problem(gm, ctx, free=cands, tied=tied)
-    acts = _Activations(gm, problem, sizes)
-    least_state = fixed_bytes + sum(min(c) for c in cost.values())
-    least_act = acts.smallest()
+    search = _LayoutSearch(gm, ctx, free, tied, trained, fixed_bytes, budget, margin)
+    if search.room is not None and search.least_state + search.least_act > search.room:
+        raise search.no_fit("")
+    picks = on_lead(search.plan, ctx.mesh, "auto-sharding's solve")
+    return search.result(picks, t0)
 
-    def no_fit(why: str) -> ShardingError:
+
+class _LayoutSearch:
+    """``choose_placements``'s search: the global planner's problem with every free placeholder a decision
+    (``options``: its legal layouts, ``cost``: each one's per-rank state bytes), the activation model
+    (``acts``) and the budget rows that keep state + activations within ``room`` (None: no budget).
+    Requires what ``choose_placements`` requires; ``plan`` runs the solver, ``result`` reports its picks."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: ShardContext, free: dict[str, list[str]], tied: dict[int, str],
+                 trained: set[str], fixed_bytes: int, budget: Optional[int], margin: int):
+        self.sizes = sizes = tuple(ctx.mesh.sizes)
+        self.free, self.budget, self.margin, self.fixed_bytes = free, budget, margin, fixed_bytes
+        self.room = None if budget is None else budget - margin
+        vals = {n.name: n.meta["val"] for n in gm.graph.nodes if n.name in free}
+        cands = {name: [[R] + [S(d) for d, s in enumerate(v.shape) if s % n == 0 and n > 1] for n in sizes]
+                 for name, v in vals.items()}
+        self.options = {name: [lay for lay in itertools.product(*cands[name]) if _legal(tuple(v.shape), lay, sizes)]
+                        for name, v in vals.items()}
+        self.cost = {name: [state_bytes(vals[name], lay, sizes, name in trained) for lay in lays]
+                     for name, lays in self.options.items()}
+        self.problem = build_problem(gm, ctx, free=cands, tied=tied)
+        self.acts = _Activations(gm, self.problem, sizes)
+        self.least_state = fixed_bytes + sum(min(c) for c in self.cost.values())
+        self.least_act = self.acts.smallest()
+
+    def no_fit(self, why: str) -> ShardingError:
+        """The error for a budget no plan fits (``why``: how the solver failed, or empty), with the smallest
+        footprint any plan has."""
+        budget, room, margin = self.budget, self.room, self.margin
+        least_state, least_act, fixed_bytes = self.least_state, self.least_act, self.fixed_bytes
         tightened = f", planned against {_fmt(room)} to leave {_fmt(margin)} for what the estimate misses" if margin else ""
         return ShardingError(
             f"memory_budget={_fmt(budget)} per rank: no plan fits{why}; the smallest footprint is at least "
@@ -303,42 +323,58 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
             f"{_fmt(least_act)}){tightened}; raise memory_budget, use a larger mesh, split the activations "
             f"(in_specs) or leave fewer parameters placed by hand")
 
-    if room is not None and least_state + least_act > room:
-        raise no_fit("")
+    def plan(self) -> dict[str, tuple[int, ...]]:
+        """The chosen picks: the solver's rounds, then (2+ mesh axes) the pair moves; ``no_fit`` when the
+        solver finds no plan within the budget."""
+        try:
+            picks = solve_problem(self.problem, rounds=ROUNDS, extend=None if self.room is None else self.extend,
+                                  gap=GAP, time_limit=TIME_LIMIT, patient=True, admissible=self.admissible)
+            return self.pair_moves(picks) if len(self.sizes) > 1 else picks
+        except NoPlanError as e:
+            if self.room is None:
+                raise
+            raise self.no_fit(f" (the solver found none within {TIME_LIMIT:.0f} s or proved there is none)") from e
 
-    def layout(name: str, picks: dict) -> tuple[Pl, ...]:
-        return tuple(problem.nodes[name].axes[a][i].outputs[0] for a, i in enumerate(picks[name]))
+    def layout(self, name: str, picks: dict) -> tuple[Pl, ...]:
+        """Free placeholder ``name``'s layout under ``picks``."""
+        return tuple(self.problem.nodes[name].axes[a][i].outputs[0] for a, i in enumerate(picks[name]))
 
-    def state(picks: dict) -> int:
-        return fixed_bytes + sum(cost[name][options[name].index(layout(name, picks))] for name in free)
+    def state(self, picks: dict) -> int:
+        """Per-rank bytes of every parameter's state (itself, gradient, AdamW states) under ``picks``."""
+        return self.fixed_bytes + sum(self.cost[name][self.options[name].index(self.layout(name, picks))]
+                                      for name in self.free)
 
-    def extend(m, x) -> None:
-        scale = 1.0 / room
+    def admissible(self, picks: dict) -> bool:
+        """Whether ``picks`` fits the room (state + the activation peak), or there is no budget."""
+        return self.room is None or self.state(picks) + self.acts.peak(layouts(self.problem, picks)) <= self.room
+
+    def extend(self, m, x) -> None:
+        """Adds the budget to MILP ``m`` (choice columns ``x``): per free parameter one binary per N-D layout,
+        tied to its per-axis binaries; their state bytes summed into one column; the activation rows."""
+        problem, fixed_bytes, scale = self.problem, self.fixed_bytes, 1.0 / self.room
         total = m.var(0.0, False, 0.0, float("inf"))
         terms = [(total, -1.0)]
-        for name, lays in options.items():
+        for name, lays in self.options.items():
             y = [m.var(0.0, True) for _ in lays]
-            for a in range(len(sizes)):
+            for a in range(len(self.sizes)):
                 for i, c in enumerate(problem.nodes[name].axes[a]):
                     m.row([(x[name][a][i], -1.0)] + [(y[j], 1.0) for j, lay in enumerate(lays)
                                                      if lay[a] == c.outputs[0]], 0.0, 0.0)
-            terms += [(y[j], cost[name][j] * scale) for j in range(len(lays))]
+            terms += [(y[j], self.cost[name][j] * scale) for j in range(len(lays))]
         m.row(terms, -fixed_bytes * scale, -fixed_bytes * scale)  # total = every parameter's state, scaled
-        acts.rows(m, x, total, scale, 1.0, room * SMALL)
+        self.acts.rows(m, x, total, scale, 1.0, self.room * SMALL)
 
-    def admissible(picks: dict) -> bool:
-        return room is None or state(picks) + acts.peak(layouts(problem, picks)) <= room
-
-    def pinned(name: str, lay: tuple[Pl, ...]):
+    def pinned(self, name: str, lay: tuple[Pl, ...]):
+        """An ``extend`` for ``solve_problem`` that adds the budget and pins ``name`` to ``lay``."""
         def ext(m, x) -> None:
-            if room is not None:
-                extend(m, x)
+            if self.room is not None:
+                self.extend(m, x)
             for a, p in enumerate(lay):
-                m.row([(x[name][a][i], 1.0) for i, c in enumerate(problem.nodes[name].axes[a]) if c.outputs[0] == p],
-                      1.0, 1.0)
+                m.row([(x[name][a][i], 1.0) for i, c in enumerate(self.problem.nodes[name].axes[a])
+                       if c.outputs[0] == p], 1.0, 1.0)
         return ext
 
-    def pair_moves(picks: dict) -> dict:
+    def pair_moves(self, picks: dict) -> dict:
         """The rounds change a parameter one axis at a time, each priced with the other axes as the previous
         plan laid them out, so a move that pays only when two axes change together (an embedding from
         hidden-split over dp to vocab-split over tp) is never taken. For the largest parameters, each
@@ -346,64 +382,56 @@ def choose_placements(gm: fx.GraphModule, ctx: ShardContext, free: dict[str, lis
         trials are independent: they run at once, one solver process each, up to the CPUs this process
         may use); the cheapest plan (exactly, ``plan_cost``; the first in trial order among equals) that
         costs less than the rounds' and fits is kept."""
+        options, cost = self.options, self.cost
         trials = [(name, lay) for name in sorted(options, key=lambda n: -max(cost[n]))[:PAIR_PARAMS]
-                  for lay in options[name] if sum(p != q for p, q in zip(lay, layout(name, picks))) >= 2]
-
-        def trial(t: tuple) -> Optional[dict]:
-            try:
-                return solve_problem(problem, rounds=PAIR_ROUNDS, extend=pinned(*t), gap=GAP,
-                                     time_limit=PAIR_TIME_LIMIT, patient=True, admissible=lambda p: False)
-            except ShardingError as e:
-                if "found no plan" in str(e) or "found no legal plan" in str(e):  # nothing fits with this layout
-                    return None
-                raise  # e.g. the solver's process crashed twice
-
+                  for lay in options[name] if sum(p != q for p, q in zip(lay, self.layout(name, picks))) >= 2]
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         workers = max(1, min(len(trials), cpus))  # sched_getaffinity: Linux only
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fxshard-pair-move") as pool:
-            planned = list(pool.map(trial, trials))
+            planned = list(pool.map(self.trial, trials))
         milp.trim(1)  # the trials' extra solver processes: not kept for the rest of the run
-        best = plan_cost(problem, picks)
+        best = plan_cost(self.problem, picks)
         for p in planned:
             if p is None:
                 continue
-            c = plan_cost(problem, p)
-            if c < best and admissible(p):
+            c = plan_cost(self.problem, p)
+            if c < best and self.admissible(p):
                 picks, best = p, c
         return picks
 
-    def plan() -> dict[str, tuple[int, ...]]:
+    def trial(self, t: tuple) -> Optional[dict]:
+        """A pair move's plan with free placeholder ``t[0]`` pinned to layout ``t[1]``; None when nothing fits
+        with this layout (an error of the solver itself, e.g. its process crashing twice, is raised)."""
         try:
-            picks = solve_problem(problem, rounds=ROUNDS, extend=None if room is None else extend, gap=GAP,
-                                  time_limit=TIME_LIMIT, patient=True, admissible=admissible)
-            return pair_moves(picks) if len(sizes) > 1 else picks
-        except ShardingError as e:
-            if room is None or "found no plan" not in str(e):
-                raise
-            raise no_fit(f" (the solver found none within {TIME_LIMIT:.0f} s or proved there is none)") from e
+            return solve_problem(self.problem, rounds=PAIR_ROUNDS, extend=self.pinned(*t), gap=GAP,
+                                 time_limit=PAIR_TIME_LIMIT, patient=True, admissible=lambda p: False)
+        except (NoPlanError, NoLegalPlanError):  # nothing fits with this layout
+            return None
 
-    picks = on_lead(plan, ctx.mesh, "auto-sharding's solve")
-    chosen = {name: layout(name, picks) for name in free}
-    total = plan_cost(problem, picks)
-    act = acts.peak(layouts(problem, picks))
-    entries, replicated = [], []
-    for name, lay in chosen.items():
-        if all(p == R for p in lay):
-            replicated += free[name]
-            continue
-        flipped = dict(picks)
-        flipped[name] = tuple(next(i for i, c in enumerate(axis) if c.outputs[0] == R)
-                              for axis in problem.nodes[name].axes)
-        saved = cost[name][options[name].index((R,) * len(sizes))] - cost[name][options[name].index(lay)]
-        delta = (total - plan_cost(problem, flipped)) * UNIT
-        entries += [AutoChoice(fqn, lay, saved, delta) for fqn in free[name]]
-    greedy = {name: nv.greedy for name, nv in problem.nodes.items()}
-    strategies = {name: tuple((nv.axes[a][i].inputs, nv.axes[a][i].outputs) for a, i in enumerate(picks[name]))
-                  for name, nv in problem.nodes.items() if name not in free}
-    report = AutoReport(tuple(entries), tuple(replicated), state(picks) + act, budget, act, total * UNIT,
-                        plan_cost(problem, greedy) * UNIT, time.perf_counter() - t0, margin=margin,
-                        strategies=strategies)
-    return {fqn: lay for name, lay in chosen.items() for fqn in free[name]}, report
+    def result(self, picks: dict, t0: float) -> tuple[dict[str, tuple[Pl, ...]], AutoReport]:
+        """FQN -> layout for every free parameter under ``picks``, and the report (solve started at ``t0``)."""
+        problem, sizes, cost, options, free = self.problem, self.sizes, self.cost, self.options, self.free
+        chosen = {name: self.layout(name, picks) for name in free}
+        total = plan_cost(problem, picks)
+        act = self.acts.peak(layouts(problem, picks))
+        entries, replicated = [], []
+        for name, lay in chosen.items():
+            if all(p == R for p in lay):
+                replicated += free[name]
+                continue
+            flipped = dict(picks)
+            flipped[name] = tuple(next(i for i, c in enumerate(axis) if c.outputs[0] == R)
+                                  for axis in problem.nodes[name].axes)
+            saved = cost[name][options[name].index((R,) * len(sizes))] - cost[name][options[name].index(lay)]
+            delta = (total - plan_cost(problem, flipped)) * UNIT
+            entries += [AutoChoice(fqn, lay, saved, delta) for fqn in free[name]]
+        greedy = {name: nv.greedy for name, nv in problem.nodes.items()}
+        strategies = {name: tuple((nv.axes[a][i].inputs, nv.axes[a][i].outputs) for a, i in enumerate(picks[name]))
+                      for name, nv in problem.nodes.items() if name not in free}
+        report = AutoReport(tuple(entries), tuple(replicated), self.state(picks) + act, self.budget, act,
+                            total * UNIT, plan_cost(problem, greedy) * UNIT, time.perf_counter() - t0,
+                            margin=self.margin, strategies=strategies)
+        return {fqn: lay for name, lay in chosen.items() for fqn in free[name]}, report
 
 
 def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal, hint: Optional[dict] = None
@@ -431,9 +459,7 @@ def solve_within(gm: fx.GraphModule, ctx: ShardContext, problem, illegal, hint: 
         try:
             return solve_problem(problem, illegal, extend=extend, gap=GAP, time_limit=TIME_LIMIT,
                                  admissible=lambda p: acts.peak(layouts(problem, p)) <= room, start=start)
-        except ShardingError as e:
-            if "found no plan" not in str(e):
-                raise
+        except NoPlanError:
             return solve_problem(problem, illegal, gap=GAP, time_limit=TIME_LIMIT)
 
     return on_lead(plan, ctx.mesh, "the global planner within auto-sharding's budget")

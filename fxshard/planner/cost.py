@@ -49,7 +49,7 @@ class Link:
     """An axis's link in the alpha-beta model: ``alpha`` the latency of one collective in byte-equivalents
     of the fastest link, ``weight`` the time to move one byte relative to the fastest link (>= 1);
     ``bucket``, when set, the bytes of the buckets a reduction (all_reduce, reduce_scatter) is packed into:
-    it pays ``min(1, its bytes / bucket)`` of ``alpha`` (a bucketed gradient, ``planner/solve.py::links_of``);
+    it pays ``min(1, its bytes / bucket)`` of ``alpha`` (a bucketed gradient, ``planner/problem.py::links_of``);
     ``reduce_scale``: a reduction of a Partial sum moves that many times the value's bytes (a bf16 value
     reduced in float32 under autocast: ``transition.reduce_scale``, as ``plan_transition`` emits it)."""
 
