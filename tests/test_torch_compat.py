@@ -155,11 +155,11 @@ def counted(name, fn):
 import torch.distributed as dist
 import fxshard
 from fxshard.analysis import layout
-from fxshard.planner import propagate, solve
+from fxshard.planner import problem, propagate
 
 # the passes bound optimization_hint when fxshard was imported; the softmax decomposition binds its name on use
-bound = [m.optimization_hint is tc.optimization_hint for m in (layout, propagate, solve)]
-for m in (layout, propagate, solve):
+bound = [m.optimization_hint is tc.optimization_hint for m in (layout, propagate, problem)]
+for m in (layout, propagate, problem):
     m.optimization_hint = counted("optimization_hint", m.optimization_hint)
 tc.softmax_unbacked_safe_amax = counted("softmax_unbacked_safe_amax", tc.softmax_unbacked_safe_amax)
 from fxshard import ColwiseParallel, RowwiseParallel

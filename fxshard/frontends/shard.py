@@ -83,7 +83,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
     ``planner``: ``"global"`` (default) chooses every op's strategy by one MILP over the whole graph
     (HiGHS via scipy, ``planner/solve.py``), seeded by the greedy sweep and never costlier than its plan;
     where the greedy plan is provably optimal (e.g. Megatron styles pinning every layout around the
-    matmuls) the MILP is skipped (``solve.greedy_is_optimal``). ``"greedy"`` keeps the sweep's plan: one
+    matmuls) the MILP is skipped (``certificate.greedy_is_optimal``). ``"greedy"`` keeps the sweep's plan: one
     pass in graph order, no solver (faster on large graphs; it cannot see that a locally cheap choice
     costs more later, e.g. under FSDP x tensor-parallel plans).
 

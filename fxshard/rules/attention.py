@@ -110,7 +110,7 @@ def attention_backward_rule(call: OpCall, n: int) -> list[Strategy]:
 
 # Floating-point work of attention on global shapes, in forward passes (``2 * batch * L * S * (E + Ev)``):
 # the backward recomputes the forward and runs the kernel's backward (about 2.5 forwards). The global
-# planner prices it (planner/solve.py), so attention replicated on every rank does not look free.
+# planner prices it (planner/problem.py), so attention replicated on every rank does not look free.
 WORK = {ATTENTION: 1.0, ATTENTION_BACKWARD: 3.5}
 
 
