@@ -135,7 +135,7 @@ class StateInterop(nn.Module):
 
     def _mark_filled(self, names: Any) -> None:
         """Note that fxshard wrote ``names`` (fills and loads): they are no longer unfilled, nor checked by
-        ``_check_pieces``."""
+        ``call_checks.check_pieces``."""
         if self._unfilled is not None:
             for n in names:
                 self._unfilled.pop(n, None)
