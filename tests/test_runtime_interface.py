@@ -169,3 +169,29 @@ def test_no_module_imports_private_names_of_another():
     assert found - KNOWN_PRIVATE_IMPORTS == set(), sorted(found - KNOWN_PRIVATE_IMPORTS)
     assert KNOWN_PRIVATE_IMPORTS <= found, (
         f"no longer imported: {sorted(KNOWN_PRIVATE_IMPORTS - found)}; drop them from KNOWN_PRIVATE_IMPORTS")
+
+
+def test_the_interface_is_the_modules_state_and_copies_get_their_own_records(mesh2):
+    """``sm.fxshard_state`` describes the module (its name, its tensors' layout) and is the one home of the
+    records other modules keep per module; a copy (``copy.copy``, ``copy.deepcopy``) gets records of its own, so
+    grad_guard's record (or the warning it gave) of one module is never the other's."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+
+    from fxshard import ColwiseParallel
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    sm = fxshard.shard(model, mesh2, {"0": ColwiseParallel()}, example_inputs=(torch.randn(4, 8),))
+    state = sm.fxshard_state
+    assert state.where == "ShardedModule(Sequential)" and state.auto is None
+    assert state.layout.how_split("0.weight") == "S(0) over 'tp'" and state.layout.how_split("2.weight") == ""
+    assert state.layout.split_axes("0.weight") == [0] and state.grads.split == {0}
+    assert tuple(state.layout.dtensor("0.weight", sm.get_parameter("0.weight").detach()).shape) == (16, 8)
+    assert not any(k.startswith("_fxshard_grad") for k in vars(sm))  # grad_guard keeps nothing in sm.__dict__
+    state.grads.warned = True
+    for made in (copy.copy(sm), copy.deepcopy(sm)):
+        assert made.fxshard_state.grads is not state.grads and made.fxshard_state.grads.warned
+        made.fxshard_state.grads.warned = False
+        assert state.grads.warned and made.fxshard_state.layout.placements == state.layout.placements
