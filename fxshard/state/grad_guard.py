@@ -59,7 +59,7 @@ def record_gradients(sm: HasShardedState, *, if_recorded: bool = False) -> None:
     if if_recorded and not record.grads:
         return
     record.grads = {fqn: (weakref.ref(p.grad), p.grad._version)
-                            for fqn, p in sm.named_parameters() if p.grad is not None}
+                    for fqn, p in sm.named_parameters() if p.grad is not None}
 
 
 @contextlib.contextmanager
