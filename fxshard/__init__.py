@@ -15,7 +15,7 @@ from .frontends.loss import loss_parallel
 from .report.memory import memory
 from .core.mesh import init_mesh
 from .state.optim_state import load_optim_state_dict, optim_state_dict
-from .runtime.module import ShardedModule
+from .runtime.sharded_module import ShardedModule
 from .core.placements import P, Packed
 from .state.tiled_init import tiled_init
 from .plans.styles import (

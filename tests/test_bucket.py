@@ -14,7 +14,7 @@ import fxshard
 from fxshard import P
 from fxshard.comm.collectives import COMM_KEY
 from fxshard.frontends.backend import overlap_report
-from fxshard.runtime.module import local_slice
+from fxshard.runtime.state_interop import local_slice
 from fxshard.passes.bucket import bucket_gradients, plan_buckets
 from fxshard.comm.collectives import all_reduce_into_input
 from fxshard.passes.pipeline import BUCKET, DEFAULT, Pipeline

@@ -14,7 +14,7 @@ import torch
 import fxshard
 from fxshard import ColwiseParallel, RowwiseParallel
 from fxshard.frontends.backend import overlap, overlap_report
-from fxshard.runtime.module import local_slice
+from fxshard.runtime.state_interop import local_slice
 from tests import models
 from tests.dist_utils import run_ranks
 from tests.test_forward_parity import transformer_plan

@@ -20,7 +20,7 @@ from fxshard import P, Shard
 from fxshard.tracing.captured import captured_scalars, check_captured
 from fxshard.report.inspect import collectives
 from fxshard.core.mesh import MeshInfo
-from fxshard.runtime.module import local_slice
+from fxshard.runtime.state_interop import local_slice
 from fxshard.plans.plan import to_placements
 from tests import models
 from tests.dist_utils import run_ranks

@@ -58,7 +58,8 @@ from ..core.ir import COMM_KEY, OpClass, is_op
 from ..passes.overlap import INDUCTOR_OPTIONS, collective_groups, reorder_for_overlap
 from ..core.errors import ShardingError
 from ..core.mesh import MeshInfo
-from ..runtime.module import ShardedModule
+from ..runtime.sharded_module import ShardedModule
+from ..runtime.state_interop import tensor_at
 from ..core.placements import to_torch
 from ..core.torch_compat import guards_tracing, register_dynamo_backend
 
@@ -191,7 +192,7 @@ class FxshardBackend:
             i = id(full)
             if i in self._local and self._full[i]() is full:
                 continue
-            self._local[i] = sm._lookup(fqn)
+            self._local[i] = tensor_at(sm, fqn)
             self._full[i] = weakref.ref(full)
             self._placement[i] = placements[fqn]
             self._fqn[i] = fqn

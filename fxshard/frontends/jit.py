@@ -52,7 +52,7 @@ from ..core.errors import ShardingError
 from ..tracing.forward_state import host_rngs_unchanged
 from ..runtime.inputs import check_no_autocast, check_replicated_values
 from ..core.mesh import MeshInfo
-from ..runtime.module import Program
+from ..runtime.programs import Program
 from .common import check_consistent, context_for, graph_outputs, required_outputs
 from ..tracing.annotate import check_divisible, spec_leaves
 from ..planner.solve import PLANNERS

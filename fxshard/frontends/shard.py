@@ -31,7 +31,9 @@ from ..core.mesh import MeshInfo
 from ..state.checkpoint import take
 from ..core.errors import ShardingError
 from ..tracing.captured import forward_scalars, settled_after_trace
-from ..runtime.module import Program, Programs, ShardedModule, Training, Untrainable
+from ..runtime.programs import Program, Programs, Training, Untrainable
+from ..runtime.sharded_module import ShardedModule
+from ..runtime.state_interop import named_tensors
 from ..comm.replicas import check_replicas, communicates, from_source, sentinel
 from ..core.context import runtime_device
 from .common import check_consistent, graph_outputs, required_outputs
@@ -183,17 +185,17 @@ def shard(model: nn.Module, mesh: DeviceMesh, plan: Optional[Mapping[str, Any] |
                            autocast=autocast)
         if report is None:
             break
-        sm._auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)
-        margin = next_margin(sm._auto)
+        sm.fxshard_state.auto = measure(report, memory_report(sm, "adamw"), last=attempt == RETRIES)
+        margin = next_margin(sm.fxshard_state.auto)
         if margin is None:
             break
-        say(f"auto: the result needs {fmt_bytes(sm._auto.measured)} per rank, over the budget; planning again "
-            f"against {fmt_bytes(req.budget - margin)}")
+        say(f"auto: the result needs {fmt_bytes(sm.fxshard_state.auto.measured)} per rank, over the budget; planning "
+            f"again against {fmt_bytes(req.budget - margin)}")
         req = replace(req, margin=margin)
     remember(sm, origins, model, unfilled)
     _warn_gathered_inputs(sm)
     if src_data_rank is None:
-        check_replicas(sm._named_tensors(), placements, mesh,
+        check_replicas(named_tensors(sm), placements, mesh,
                        "src_data_rank=None keeps each rank's own values: seed every rank the same before building "
                        "the model or load the same checkpoint on every rank, or leave src_data_rank=0 (the default) "
                        "to copy rank 0's values")

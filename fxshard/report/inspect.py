@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from ..core.ir import COMM_KEY, FALLBACK_KEY, INSERTED_KEY, META_KEY, STRATEGY_KEY
 from ..runtime.description import sharding_of
-from ..runtime.module import Program
+from ..runtime.programs import Program
 from ..core.spec import Spec
 from ..core.torch_compat import OpOverload
 

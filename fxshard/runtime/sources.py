@@ -47,7 +47,7 @@ import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -56,6 +56,10 @@ from torch.distributed.tensor import DTensor
 from ..core.hooks import own_hook
 from ..core.errors import ShardingError, name_few
 from ..core.placements import Pl, R
+from .state_interop import tensor_at
+
+if TYPE_CHECKING:
+    from .sharded_module import ShardedModule
 
 __all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "shard_tracing", "SHARED"]
 
@@ -100,7 +104,7 @@ class _Entry:
     layout: Layout
     shape: tuple[int, ...]  # the local tensor's shape on this rank
     name: str
-    holders: list[tuple["weakref.ref[Any]", str]]
+    holders: list[tuple["weakref.ref[ShardedModule]", str]]
     hook: Any = None  # the source's post-accumulate-grad hook (None for a buffer or a frozen parameter)
     blank: Optional[tuple["weakref.ref[torch.Tensor]", int]] = None  # an unfilled local tensor and its version
     # the local tensor, its version and the source's when the entry was made (see _stale)
@@ -160,8 +164,8 @@ def shared_local(source: torch.Tensor, layout: Layout, name: str, where: str) ->
         return None
     ref, fqn = entry.holders[0]
     holder = ref()
-    local = holder._lookup(fqn)
-    first = f"{holder._where} (as {fqn!r})"
+    local = tensor_at(holder, fqn)
+    first = f"{holder.fxshard_state.where} (as {fqn!r})"
     if layout != entry.layout:
         raise ShardingError(
             f"{where}: {name!r} is the same tensor as {entry.name}, which {first} holds already, laid out "
@@ -194,7 +198,7 @@ def is_blank(source: torch.Tensor, local: torch.Tensor) -> bool:
             and local._version == entry.blank[1])
 
 
-def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: torch.nn.Module,
+def remember(sm: ShardedModule, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: torch.nn.Module,
              blank: Iterable[str] = ()) -> None:
     """Requires: ``sm`` is the ShardedModule ``shard()`` built from ``model``, ``sources`` maps each of its
     parameter/buffer FQNs (one per tensor) to the model's tensor and the layout it has in ``sm``; ``blank`` are
@@ -207,7 +211,7 @@ def remember(sm: Any, sources: Mapping[str, tuple[torch.Tensor, Layout]], model:
         key = id(source)
         entry = _entry(source)
         if entry is None:
-            local = sm._lookup(fqn)
+            local = tensor_at(sm, fqn)
             entry = _Entry(weakref.ref(source), layout, tuple(local.shape), f"{fqn!r} of {name}", [])
             if fqn in blank:
                 entry.blank = (weakref.ref(local), local._version)
@@ -287,9 +291,9 @@ def _refuse_stale(module: torch.nn.Module, prefix: str, what: str, fix: str) -> 
         sm, fqn = next((ref(), fqn) for ref, fqn in stale[0][1].holders if ref() is not None)
         raise ShardingError(
             f"{type(module).__name__}.{what} stale values of {name_few([n for n, _ in stale], 3)}: fxshard.shard() "
-            f"made them the sources of {sm._where}'s local tensors (e.g. {fqn!r}), which it has changed since "
-            f"(trained, loaded or initialized), while the model's own tensors still hold the values from before "
-            f"shard(). {fix}, or copy the values back first (model.load_state_dict(sm.full_state_dict()))")
+            f"made them the sources of {sm.fxshard_state.where}'s local tensors (e.g. {fqn!r}), which it has changed "
+            f"since (trained, loaded or initialized), while the model's own tensors still hold the values from "
+            f"before shard(). {fix}, or copy the values back first (model.load_state_dict(sm.full_state_dict()))")
 
 
 def _refuse_stale_state_dict(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -341,7 +345,7 @@ def _stale_source_trained(source: torch.Tensor) -> None:
     if entry is None or entry.source() is not source:
         return
     holders = [(ref(), fqn) for ref, fqn in entry.holders]
-    held = ", ".join(f"{sm._where} (as {fqn!r})" for sm, fqn in holders if sm is not None)
+    held = ", ".join(f"{sm.fxshard_state.where} (as {fqn!r})" for sm, fqn in holders if sm is not None)
     raise ShardingError(
         f"{entry.name} got a gradient, but fxshard.shard() made it the source of the local tensor of {held}, "
         f"which trains that local tensor and never reads this one again: training both would untie them "

@@ -42,13 +42,9 @@ from ..core.errors import name_few
 from ..core.placements import Replicated
 from ..comm.replicas import check_replicas
 from ..core.torch_compat import queue_autograd_callback
+from .sharded_state import HasShardedState
 
 __all__ = ["track_gradients", "record_gradients", "check_gradients", "forward_started", "records_kept"]
-
-_RECORD = "_fxshard_grad_record"  # on a ShardedModule: {fqn: (weakref of the gradient, its version)} or None
-_QUEUED = "_fxshard_grad_queued"  # on a ShardedModule: a callback is queued for the running backward
-_WARNED = "_fxshard_grad_warned"  # on a ShardedModule: the in-place warning was given
-_SPLIT = "_fxshard_grad_split"  # on a ShardedModule: the mesh axes that split some parameter (fixed at shard())
 
 _WHY = ("something changed the gradients in place after the backward, per rank (torch.nn.utils.clip_grad_norm_"
         "(sm.parameters(), ...) computes each rank's norm over only its pieces of split gradients and scales each "
@@ -56,40 +52,41 @@ _WHY = ("something changed the gradients in place after the backward, per rank (
         "on every rank, and compute any other per-gradient statistic over the full gradients")
 
 
-def record_gradients(sm: Any, *, if_recorded: bool = False) -> None:
-    """Ensures: ``sm``'s record holds each local parameter's gradient tensor and version as they are now (with
-    ``if_recorded``, only when a backward's record is pending)."""
-    if if_recorded and not sm.__dict__.get(_RECORD):
+def record_gradients(sm: HasShardedState, *, if_recorded: bool = False) -> None:
+    """Ensures: ``sm``'s record (``sm.fxshard_state.grads``) holds each local parameter's gradient tensor and version
+    as they are now (with ``if_recorded``, only when a backward's record is pending)."""
+    record = sm.fxshard_state.grads
+    if if_recorded and not record.grads:
         return
-    sm.__dict__[_RECORD] = {fqn: (weakref.ref(p.grad), p.grad._version)
-                            for fqn, p in sm.named_parameters() if p.grad is not None}
+    record.grads = {fqn: (weakref.ref(p.grad), p.grad._version)
+                    for fqn, p in sm.named_parameters() if p.grad is not None}
 
 
 @contextlib.contextmanager
-def records_kept(modules: Iterable[Any]) -> Iterator[None]:
+def records_kept(modules: Iterable[HasShardedState]) -> Iterator[None]:
     """Ensures: a step inside compares nothing for ``modules`` (gradients fxshard itself put there, as
     ``optim_state.init_optim_state``'s zeros), and each module's record is as before it afterwards."""
-    modules = list(modules)
-    kept = [sm.__dict__.get(_RECORD) for sm in modules]
-    for sm in modules:
-        sm.__dict__[_RECORD] = None
+    records = [sm.fxshard_state.grads for sm in modules]
+    kept = [record.grads for record in records]
+    for record in records:
+        record.grads = None
     try:
         yield
     finally:
-        for sm, record in zip(modules, kept):
-            sm.__dict__[_RECORD] = record
+        for record, grads in zip(records, kept):
+            record.grads = grads
 
 
-def forward_started(sm: Any) -> None:
+def forward_started(sm: HasShardedState) -> None:
     """Ensures: the next backward queues its record again, even if the last one failed before its end."""
-    sm.__dict__[_QUEUED] = False
+    sm.fxshard_state.grads.queued = False
 
 
-def track_gradients(sm: Any) -> None:
+def track_gradients(sm: HasShardedState) -> None:
     """Requires: ``sm``'s local parameters are registered, and this is called once per module (at its creation or
     copy). Ensures: the end of every backward that gives one of them a gradient calls :func:`record_gradients`
     (module doc), for parameters frozen now and unfrozen later too."""
-    sm.__dict__[_SPLIT] = _split_axes(sm)
+    sm.fxshard_state.grads.split = _split_axes(sm)
     ref = weakref.ref(sm)
 
     def after_backward(last: bool) -> None:
@@ -99,13 +96,13 @@ def track_gradients(sm: Any) -> None:
         if not last:  # queued again: runs after the callbacks this backward queued later (DDP's)
             queue_autograd_callback(lambda: after_backward(True))
             return
-        mod.__dict__[_QUEUED] = False
+        mod.fxshard_state.grads.queued = False
         record_gradients(mod)
 
     def accumulated(p: torch.Tensor) -> None:
         mod = ref()
-        if mod is not None and not mod.__dict__.get(_QUEUED):
-            mod.__dict__[_QUEUED] = True
+        if mod is not None and not mod.fxshard_state.grads.queued:
+            mod.fxshard_state.grads.queued = True
             queue_autograd_callback(lambda: after_backward(False))
 
     for p in sm.parameters():  # once per tensor
@@ -127,16 +124,17 @@ def _hook_even_if_frozen(p: torch.Tensor, hook: Any) -> None:
         p.requires_grad_(False)
 
 
-def check_gradients(sm: Any) -> None:
+def check_gradients(sm: HasShardedState) -> None:
     """Requires: called at an optimizer step over ``sm``'s parameters, on every rank. Ensures: when some gradient
     changed since the last backward's record (other than by ``sm.clip_grad_norm_``), a warning once per module,
     and a ShardingError if the gradients of replicated parameters differ between ranks (module doc). Consumes
     the record: a second step without a backward compares nothing."""
-    record = sm.__dict__.get(_RECORD)
+    state = sm.fxshard_state
+    record = state.grads.grads
     if not record:
         return
-    sm.__dict__[_RECORD] = None
-    split = sm.__dict__[_SPLIT]
+    state.grads.grads = None
+    split = state.grads.split
     if not split:  # every rank holds whole gradients: a per-rank statistic is the model's
         return
     grads = {fqn: p.grad for fqn, p in sm.named_parameters() if p.grad is not None}
@@ -144,10 +142,10 @@ def check_gradients(sm: Any) -> None:
                if fqn not in record or record[fqn][0]() is not g or record[fqn][1] != g._version]
     if not changed:
         return
-    if not sm.__dict__.get(_WARNED):
-        sm.__dict__[_WARNED] = True
+    if not state.grads.warned:
+        state.grads.warned = True
         warnings.warn(
-            f"fxshard: the gradients of {name_few(changed, 3)} in {sm._where} were changed in place after "
+            f"fxshard: the gradients of {name_few(changed, 3)} in {state.where} were changed in place after "
             f"the backward, outside fxshard. Each rank holds only its pieces of split gradients, so a statistic "
             f"over a whole gradient (a norm, a max) computed on them is this rank's, not the model's: use "
             f"sm.clip_grad_norm_(max_norm) rather than torch.nn.utils.clip_grad_norm_(sm.parameters(), ...). "
@@ -155,15 +153,17 @@ def check_gradients(sm: Any) -> None:
     # only over the axes that split some parameter: along the others every rank holds the same pieces, so the
     # same per-rank statistics (and a check there would checksum every data-parallel replica's gradients)
     dense = {fqn: g for fqn, g in grads.items() if g.layout == torch.strided}  # a sparse gradient has no checksum
+    placements = state.layout.placements
     check_replicas({f"{fqn}.grad": g for fqn, g in dense.items()},
-                   {f"{fqn}.grad": tuple(pl if a in split else _NOT_COMPARED for a, pl in enumerate(sm._placements[fqn]))
-                    for fqn in dense}, sm._mesh, _WHY)
+                   {f"{fqn}.grad": tuple(pl if a in split else _NOT_COMPARED for a, pl in enumerate(placements[fqn]))
+                    for fqn in dense}, state.layout.mesh, _WHY)
 
 
 _NOT_COMPARED = object()  # a placement check_replicas skips (not Replicated)
 
 
-def _split_axes(sm: Any) -> set[int]:
+def _split_axes(sm: HasShardedState) -> set[int]:
     """The mesh axes over which some parameter of ``sm`` is split (held in different pieces by different ranks)."""
-    return {a for fqn, _ in sm.named_parameters() for a, pl in enumerate(sm._placements[fqn])
+    placements = sm.fxshard_state.layout.placements
+    return {a for fqn, _ in sm.named_parameters() for a, pl in enumerate(placements[fqn])
             if not isinstance(pl, Replicated)}

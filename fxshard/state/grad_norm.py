@@ -11,26 +11,27 @@ norm of the full gradients and scales its pieces by the same factor.
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import torch
 import torch.distributed as dist
+
+from .sharded_state import HasShardedState
 
 __all__ = ["clip_grad_norm_"]
 
 
 @torch.no_grad()
-def clip_grad_norm_(sm: Any, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(sm: HasShardedState, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for ``sm`` (a ShardedModule): see ``ShardedModule.clip_grad_norm_``."""
     p = float(norm_type)
     inf = math.isinf(p)
     parts: dict[tuple, list[torch.Tensor]] = {}  # (mesh, split axes) -> local contributions
     grads = []
+    layout = sm.fxshard_state.layout
     for fqn, param in sm.named_parameters():
         if param.grad is None:
             continue
-        view = sm._dtensor(fqn, param.grad.detach())  # no communication: placements and this rank's piece
+        view = layout.dtensor(fqn, param.grad.detach())  # no communication: placements and this rank's piece
         local = view.to_local()
         grads.append(param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad)
         axes = tuple(i for i, pl in enumerate(view.placements) if not pl.is_replicate())  # Shard, _StridedShard

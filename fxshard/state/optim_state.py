@@ -39,19 +39,20 @@ from .grad_guard import check_gradients, records_kept
 from .grad_scaling import calling_scaler, check_scaler
 from .optim_kinds import check_optimizer
 from ..core.placements import Replicated
+from .sharded_state import HasShardedState
 
 __all__ = ["optim_state_dict", "load_optim_state_dict", "init_optim_state", "track_optimizers"]
 
 # live ShardedModules in the order they were made (the same on every rank, unlike a WeakSet's): a module's
 # gradient check is a collective, so ranks must run them in one order
-_MODULES: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
+_MODULES: "weakref.WeakValueDictionary[int, HasShardedState]" = weakref.WeakValueDictionary()
 _MADE = itertools.count()
 _STEP_HOOK: Optional[Any] = None
 _CHECKED = "_fxshard_checked"  # on an optimizer: its _Held
 _HOOKED = "_fxshard_state_hooks"  # on an optimizer: True once its state-dict hooks are registered
 
 
-def track_optimizers(sm: Any) -> None:
+def track_optimizers(sm: HasShardedState) -> None:
     """Make every optimizer that holds ``sm``'s parameters present their state as described in the module
     doc. Ensures: a global optimizer step pre-hook (one per process) registers the state-dict hooks on such
     an optimizer at its first step (converting state loaded before it), and checks each step (module doc)."""
@@ -61,7 +62,7 @@ def track_optimizers(sm: Any) -> None:
         _STEP_HOOK = register_optimizer_step_pre_hook(_on_step)
 
 
-def _owners() -> dict[int, tuple[Any, str]]:
+def _owners() -> dict[int, tuple[HasShardedState, str]]:
     """id of each live ShardedModule's parameter -> (a module holding it, its FQN there); a tensor several modules
     share (``sources.py``) is laid out alike in each, so any of them describes it."""
     return {id(p): (sm, fqn) for sm in list(_MODULES.values()) for fqn, p in sm.named_parameters()}
@@ -75,7 +76,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 class _Held:
     """What an optimizer holds of ShardedModules, as of the parameters it was last checked with."""
     ids: tuple[int, ...]  # the ids of its parameters
-    modules: tuple["weakref.ref[Any]", ...]  # the ShardedModules holding some of them
+    modules: tuple["weakref.ref[HasShardedState]", ...]  # the ShardedModules holding some of them
     split: dict[str, str]  # FQN -> how it is split, for each of them a module split
     ranks: frozenset[int]  # the ranks holding pieces of those (along the mesh axes that split them)
     device: str  # the device type of their mesh
@@ -103,14 +104,14 @@ def _holdings(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], ids:
     says which of them it holds."""
     owners = _owners()
     owned = [owners[id(p)] for p in params if id(p) in owners]
-    split = {fqn: how for sm, fqn in owned if (how := sm._how_split(fqn))}
+    split = {fqn: how for sm, fqn in owned if (how := sm.fxshard_state.layout.how_split(fqn))}
     check_optimizer(optimizer, split)
     held = set(ids)  # every module holding one of them, in the order they were made (the checks communicate)
     modules = {id(sm): sm for sm in list(_MODULES.values()) if any(id(p) in held for p in sm.parameters())}
     ranks = frozenset(r for sm, fqn in owned if fqn in split
-                      for a, pl in enumerate(sm._placements[fqn]) if not isinstance(pl, Replicated)
-                      for r in dist.get_process_group_ranks(sm._mesh.get_group(a)))
-    device = owned[0][0]._mesh.device_type if owned else "cpu"
+                      for a, pl in enumerate(sm.fxshard_state.layout.placements[fqn]) if not isinstance(pl, Replicated)
+                      for r in dist.get_process_group_ranks(sm.fxshard_state.layout.mesh.get_group(a)))
+    device = owned[0][0].fxshard_state.layout.mesh.device_type if owned else "cpu"
     return _Held(ids, tuple(weakref.ref(sm) for sm in modules.values()), split, ranks, device)
 
 
@@ -150,27 +151,27 @@ def _convert_owned(optimizer: torch.optim.Optimizer, sd: dict, convert) -> dict:
     return {**sd, "state": state}
 
 
-def _as_dtensors(sm: Any, fqn: str, p: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
+def _as_dtensors(sm: HasShardedState, fqn: str, p: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
     """``st`` (one parameter's optimizer state) with each tensor shaped like ``p`` as a DTensor of ``p``'s layout."""
-    return {k: sm._dtensor(fqn, v.detach()) if _like_param(v, p) else v for k, v in st.items()}
+    return {k: sm.fxshard_state.layout.dtensor(fqn, v.detach()) if _like_param(v, p) else v for k, v in st.items()}
 
 
 def _like_param(v: Any, p: torch.Tensor) -> bool:
     return isinstance(v, torch.Tensor) and v.shape == p.shape
 
 
-def _pieces_of(sm: Any, fqn: str, p: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
+def _pieces_of(sm: HasShardedState, fqn: str, p: torch.Tensor, st: dict[str, Any]) -> dict[str, Any]:
     """``st`` (one parameter's optimizer state) with each tensor given as a DTensor of the global tensor or
     as the full tensor replaced by this rank's piece; pieces already shaped like ``p`` are kept."""
     out = {}
     for k, v in st.items():
         if isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and v.dim() and not _like_param(v, p)):
-            v = sm._own_piece(fqn, p, v, f"optimizer state {fqn}.{k}")
+            v = sm.fxshard_state.layout.own_piece(fqn, p, v, f"optimizer state {fqn}.{k}")
         out[k] = v
     return out
 
 
-def _fqn_of(sm: Any) -> dict[int, str]:
+def _fqn_of(sm: HasShardedState) -> dict[int, str]:
     return {id(p): n for n, p in sm.named_parameters()}
 
 
@@ -212,7 +213,7 @@ def init_optim_state(optimizer: torch.optim.Optimizer) -> None:
                 p.grad = grad
 
 
-def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
+def optim_state_dict(sm: HasShardedState, optimizer: torch.optim.Optimizer, *, full: bool = False) -> dict[str, Any]:
     """``{"state": {fqn: {name: DTensor | tensor}}, "param_groups": [...]}`` (see module doc).
 
     Requires: ``optimizer`` holds only ``sm``'s parameters. Ensures: an optimizer without state is first given
@@ -237,7 +238,7 @@ def optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, *, full: bool = 
     return {"state": state, "param_groups": groups}
 
 
-def _check_holds(sm: Any, optimizer: torch.optim.Optimizer, names: dict[int, str], what: str) -> None:
+def _check_holds(sm: HasShardedState, optimizer: torch.optim.Optimizer, names: dict[int, str], what: str) -> None:
     if any(id(p) not in names for p in _params(optimizer)):
         raise ShardingError(f"{what}: the optimizer holds a parameter that is not the module's; build it from "
                             f"sm.parameters()")
@@ -276,7 +277,7 @@ def _check_loadable(optimizer: torch.optim.Optimizer, names: dict[int, str], osd
                             f"{name_few(problems, 3, '; ')}; nothing was loaded; {how}")
 
 
-def load_optim_state_dict(sm: Any, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+def load_optim_state_dict(sm: HasShardedState, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
     """Load an ``optim_state_dict`` (possibly filled by ``dcp.load`` at another mesh, or a full one) into
     ``optimizer``.
 
