@@ -47,7 +47,7 @@ import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -58,8 +58,6 @@ from ..core.errors import ShardingError, name_few
 from ..core.placements import Pl, R
 from .state_interop import tensor_at
 
-if TYPE_CHECKING:
-    from .sharded_module import ShardedModule
 
 __all__ = ["Layout", "settle", "shared_local", "is_blank", "remember", "shard_tracing", "SHARED"]
 
@@ -104,7 +102,7 @@ class _Entry:
     layout: Layout
     shape: tuple[int, ...]  # the local tensor's shape on this rank
     name: str
-    holders: list[tuple["weakref.ref[ShardedModule]", str]]
+    holders: list[tuple["weakref.ref[torch.nn.Module]", str]]  # (a ShardedModule, its fqn)
     hook: Any = None  # the source's post-accumulate-grad hook (None for a buffer or a frozen parameter)
     blank: Optional[tuple["weakref.ref[torch.Tensor]", int]] = None  # an unfilled local tensor and its version
     # the local tensor, its version and the source's when the entry was made (see _stale)
@@ -198,7 +196,7 @@ def is_blank(source: torch.Tensor, local: torch.Tensor) -> bool:
             and local._version == entry.blank[1])
 
 
-def remember(sm: ShardedModule, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: torch.nn.Module,
+def remember(sm: torch.nn.Module, sources: Mapping[str, tuple[torch.Tensor, Layout]], model: torch.nn.Module,
              blank: Iterable[str] = ()) -> None:
     """Requires: ``sm`` is the ShardedModule ``shard()`` built from ``model``, ``sources`` maps each of its
     parameter/buffer FQNs (one per tensor) to the model's tensor and the layout it has in ``sm``; ``blank`` are
