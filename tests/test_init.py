@@ -1,6 +1,6 @@
 """``init_parameters`` on a meta-built model (2 gloo ranks, one pooled call).
 
-* tiled (default): the sharded model's full state dict equals ``fxshard.state.tiled_init`` of the unsharded model
+* tiled (default): the sharded model's full state dict equals ``fxshard.tiled_init`` of the unsharded model
   (1 process vs 2 ranks: the values do not depend on the mesh), and so do its loss and gradients; tiles
   cross shard boundaries (vocab 600 vs 512-row tiles);
 * tiled memory: a 512 MiB parameter initializes with peak RSS growth far below its size (one tile at a

@@ -41,7 +41,7 @@ def test_shard_reports_progress_on_a_terminal_only(mesh2, monkeypatch, capsys):
 def test_every_name_the_docs_document_exists():
     text = "".join(open(path).read() for path in DOCS)
     names = sorted(set(re.findall(r"\bfxshard(?:\.[A-Za-z_]\w*)+", text)))
-    assert "fxshard.frontends.backend.overlap" in names and "fxshard.state.tiled_init" in names
+    assert "fxshard.frontends.backend.overlap" in names and "fxshard.tiled_init" in names
     missing = []
     for name in names:
         obj = fxshard

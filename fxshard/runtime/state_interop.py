@@ -227,7 +227,7 @@ class StateInterop(nn.Module):
 
         Default (tiled): no full tensor is built. ``init`` runs on each fixed tile of the global tensor that
         this rank holds (``t`` reports the global shape, so fan-in based inits are right; random ops draw from
-        a generator per ``(seed, fqn, tile)``; see ``fxshard.state.tiled_init``), so peak memory is the shard plus one
+        a generator per ``(seed, fqn, tile)``; see ``fxshard.tiled_init``), so peak memory is the shard plus one
         tile and the values do not depend on the mesh: ``fxshard.tiled_init(model, init, seed=seed)`` gives the
         same values in the unsharded model. ``seed`` defaults to a draw from torch's generator on rank
         ``src_data_rank``. Only elementwise/random ops on ``t`` are supported; others raise a ShardingError.
