@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PKG = Path(__file__).resolve().parent.parent / "fxshard"
 
 
@@ -43,6 +45,8 @@ def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
                     stem = node.module or ""
                 targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
             for t in targets:
+                if t not in modules and (t == "fxshard" or t.startswith("fxshard.")):
+                    raise ImportError(f"{path}:{node.lineno} imports {t}, which is not a module of the package")
                 if t in modules and t != mod and path.name != "__init__.py":
                     graph[mod].add(t)
     return graph
@@ -88,6 +92,9 @@ def test_import_graph_counts_lazy_and_type_checking_imports(tmp_path):
     (pkg / "core" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import X\n"
                                       "def f():\n    from . import c\n")
     assert import_graph(pkg)["fxshard.core.a"] == {"fxshard.core.b", "fxshard.core.c"}
+    (pkg / "core" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .gone import X\n")
+    with pytest.raises(ImportError, match="fxshard.core.gone"):  # an annotation-only import of a moved module
+        import_graph(pkg)
 
 
 def test_no_import_cycle_inside_fxshard():

@@ -14,8 +14,8 @@ from ..core.errors import ShardingError
 from ..core.mesh import MeshInfo
 from ..core.placements import Pl
 
-if TYPE_CHECKING:  # module.py builds Sharding views
-    from .module import Program, Training
+if TYPE_CHECKING:  # sharded_module.py and jit build Sharding views of these
+    from .programs import Program, Training
 
 __all__ = ["Sharding", "sharding_of"]
 
