@@ -53,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .capture import Captured, View
-from ..runtime.description import sharding_of
+from ..runtime.description import Sharded, sharding_of
 from ..core.ir import COMM_KEY, OpClass, is_op
 from ..passes.overlap import INDUCTOR_OPTIONS, collective_groups, reorder_for_overlap
 from ..core.errors import ShardingError
@@ -310,7 +310,7 @@ def _register() -> None:
 # ---------------------------------------------------------------------------------------------------
 # overlap: issue collectives early, wait late
 
-def overlap(sm: Any) -> Any:
+def overlap(sm: Sharded) -> Any:
     """Reorder every program of a ShardedModule (or of the ``fxshard.backend`` modules) in place
     with :func:`reorder_for_overlap`; returns ``sm``. Results are unchanged; collective buffers live
     from issue to wait, so peak memory can grow by the in-flight collectives."""
@@ -325,7 +325,7 @@ def _is_compute(n: fx.Node) -> bool:
     return not (is_op(n.target, OpClass.VIEW) or is_op(n.target, OpClass.SHAPE_ONLY))
 
 
-def overlap_report(sm: Any) -> list[dict]:
+def overlap_report(sm: Sharded) -> list[dict]:
     """Per collective of each program: where it is issued and waited (node positions) and the
     compute nodes that run in between (``overlapped``)."""
     rows = []

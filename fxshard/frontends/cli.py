@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ..core.sizes import fmt_bytes
+from ..runtime.description import Sharded
 
 __all__ = ["main"]
 
@@ -73,7 +74,7 @@ def _per_axis(text: str, flag: str, what: str, example: str, convert: Callable[[
     return axes
 
 
-def _why(sm: Any) -> dict[tuple[str, str], str]:
+def _why(sm: Sharded) -> dict[tuple[str, str], str]:
     """For each (program, collective kind): the consuming ops, most frequent first."""
     from collections import Counter
 

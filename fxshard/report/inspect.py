@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from ..core.ir import COMM_KEY, FALLBACK_KEY, INSERTED_KEY, META_KEY, STRATEGY_KEY
-from ..runtime.description import sharding_of
+from ..runtime.description import Sharded, sharding_of
 from ..runtime.programs import Program
 from ..core.spec import Spec
 from ..core.torch_compat import OpOverload
@@ -16,7 +16,7 @@ from ..core.torch_compat import OpOverload
 __all__ = ["explain", "comm_stats", "collectives", "gathered_inputs"]
 
 
-def _programs(sm: Any, who: str) -> tuple[Program, ...]:
+def _programs(sm: Sharded, who: str) -> tuple[Program, ...]:
     return sharding_of(sm, who).programs
 
 
@@ -49,7 +49,7 @@ def gathered_input_note(g: dict) -> str:
             f"{g['axis']!r}; planner='greedy' keeps a split batch split (docs/plans.md, Data parallelism)")
 
 
-def comm_stats(sm: Any) -> dict[str, dict[str, dict[str, int]]]:
+def comm_stats(sm: Sharded) -> dict[str, dict[str, dict[str, int]]]:
     """Per call: ``{"forward": {"all_reduce": {"count": n, "bytes": b}, ...}, "backward": {...}}``.
 
     ``bytes`` adds up, per collective, the larger of its input and output on one rank.
@@ -79,7 +79,7 @@ def _op_name(n: fx.Node) -> str:
     return str(t).replace("aten.", "") if isinstance(t, OpOverload) else getattr(t, "__name__", str(t))
 
 
-def explain(sm: Any) -> str:
+def explain(sm: Sharded) -> str:
     """A table a person scans: every node's op, global shape, spec and local shape, then every
     collective with its bytes and reason (consuming op and source line), then fallbacks; for a
     ShardedModule the first lines also give the per-rank memory report (``fxshard.memory``)."""

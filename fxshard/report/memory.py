@@ -13,7 +13,7 @@ import torch.fx as fx
 from ..analysis.liveness import OPTIMIZER_STATES, local_values, outputs_of, program_peak, value_nbytes
 from ..core.errors import ShardingError
 from ..core.ir import VIEW_OPS
-from ..runtime.description import Sharding, sharding_of
+from ..runtime.description import Sharded, Sharding, sharding_of
 
 __all__ = ["memory"]
 
@@ -46,7 +46,7 @@ def _saved(view: Sharding) -> tuple[int, list[Any]]:
     return sum(value_nbytes(vals.get(s)) for s in owners), outputs_of(gm, vals)[tr.n_out:]
 
 
-def memory(sm: Any, optimizer: Optional[str] = None) -> dict[str, int]:
+def memory(sm: Sharded, optimizer: Optional[str] = None) -> dict[str, int]:
     """Per-rank bytes: ``params``, ``grads``, ``optimizer`` (state of the named optimizer: 'sgd',
     'sgd_momentum', 'adam', 'adamw', ...), and the activation/collective-buffer peaks of the
     ``inference`` program and, for training modules, ``saved`` (the activations the forward keeps for

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Protocol
 
 from ..core.errors import ShardingError
 from ..core.mesh import MeshInfo
 from ..core.placements import Pl
 
 if TYPE_CHECKING:  # sharded_module.py and jit build Sharding views of these
+    from ..planner.auto import AutoReport
     from .programs import Program, Training
 
-__all__ = ["Sharding", "sharding_of"]
+__all__ = ["Sharding", "Sharded", "sharding_of"]
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,19 @@ class Sharding:
     global_shapes: Mapping[str, tuple] = field(default_factory=lambda: MappingProxyType({}))
     slots: tuple = ()
     is_module: bool = False
-    auto: Any = None  # fxshard.planner.auto.AutoReport when shard(auto=True) chose part of the plan
+    auto: Optional[AutoReport] = None  # when shard(auto=True) chose part of the plan
 
     @property
     def fallbacks(self) -> list[str]:
         """Ops computed replicated for lack of a rule, over every program (sorted, once each)."""
         return sorted({f for p in self.programs for f in p.fallbacks})
+
+
+class Sharded(Protocol):
+    """What the reports take: a ShardedModule, or a ShardedFunction once traced (anything else raises)."""
+
+    @property
+    def sharding(self) -> Sharding: ...
 
 
 def sharding_of(obj: Any, who: str) -> Sharding:
