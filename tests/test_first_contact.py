@@ -168,3 +168,27 @@ def test_help_shows_a_short_default_pipeline():
         assert "pipeline: 'Pipeline' = fxshard.passes.pipeline.DEFAULT" in sig and len(sig) < 1200, sig
     assert repr(DEFAULT.without("overlap")) == \
         "Pipeline(propagate, solve, redistribute, localize, emit, bucket, inplace)"
+
+
+class _SeqMix(nn.Module):
+    """A running sum over the sequence (dim 1) before a linear layer: a sequence split must be gathered first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x.cumsum(1))
+
+
+def test_gathered_input_warning_is_for_split_batches_not_sequence_splits(mesh2):
+    """An input split on its sequence dim and gathered before a running sum is sequence parallelism working
+    as meant: no warning (it said 'every rank computes with the whole of it' before)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8)
+    seq, seq_warned = _shard_quiet(_SeqMix(), mesh2, {}, example_inputs=(x,), in_specs=P(None, "tp"))
+    gathered = [c for c in fxshard.report.inspect.collectives(seq.sharding.programs[0])
+                if c["kind"] == "all_gather" and c["value"] == "x"]
+    assert gathered, "the test needs the sequence-split input gathered"
+    assert seq_warned == [], seq_warned  # sequence parallelism working as meant
+    # (a gathered split batch still warns: test_data_parallel_gradients_and_the_gathered_batch_warning)

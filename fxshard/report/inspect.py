@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from ..core.ir import COMM_KEY, FALLBACK_KEY, INSERTED_KEY, META_KEY, STRATEGY_KEY
+from ..core.placements import S
 from ..runtime.description import Sharded, sharding_of
 from ..runtime.programs import Program
 from ..core.spec import Spec
@@ -30,12 +31,22 @@ def gathered_inputs(view: Any) -> list[dict]:
     axis before using them: every rank of that axis then computes with the whole input (e.g. a batch split on
     ``dp`` with outputs replicated on ``dp``, the default ``out_specs``: each rank computes the whole batch, so
     the split buys no data parallelism). ``view`` is a ``Sharding`` (``sm.sharding``). Each entry gives
-    ``input`` (the placeholder's name), ``axis``, ``consumer`` (the op that needed it whole) and ``source``."""
+    ``input`` (the placeholder's name), ``axis``, ``consumer`` (the op that needed it whole) and ``source``.
+    Only splits of an input's first (batch) dim count: a sequence split gathered before attention is the
+    sequence-parallel plan working as meant."""
     prog = view.programs[0]  # the (training) forward program
     placeholders = [n for n in prog.gm.graph.nodes if n.op == "placeholder"]
-    names = {n.name for n, slot in zip(placeholders, view.slots) if slot.kind == "input"}
+    specs = {n.name: n.meta.get(META_KEY) for n, slot in zip(placeholders, view.slots) if slot.kind == "input"}
+
+    def batch_split(name: str, axis: str) -> bool:
+        spec = specs.get(name)
+        if spec is None or axis not in view.mesh.names:
+            return name in specs  # no placement to read: say it rather than stay silent
+        p = spec.placements[view.mesh.names.index(axis)]
+        return isinstance(p, S) and p.dim == 0
+
     return [dict(input=c["value"], axis=c["axis"], consumer=c["consumer"], source=c["source"])
-            for c in collectives(prog) if c["kind"] == "all_gather" and c["value"] in names]
+            for c in collectives(prog) if c["kind"] == "all_gather" and batch_split(c["value"], c["axis"])]
 
 
 def gathered_input_note(g: dict) -> str:
