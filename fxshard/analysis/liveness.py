@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..comm.collectives import all_reduce_into_input, hint
 from ..core.ir import META_KEY, VIEW_OPS

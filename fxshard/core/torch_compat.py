@@ -91,6 +91,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv, free_unbacked_symbol
 from torch.fx.passes.shape_prop import _extract_tensor_metadata as extract_tensor_metadata  # noqa: F401
 from torch.fx.proxy import _COPY_META_FIELDS as COPY_META_FIELDS  # noqa: F401
 from torch.nn import _reduction as nn_reduction  # noqa: F401
+from torch.utils import _pytree as pytree  # noqa: F401
+
+C_NN = torch._C._nn  # the C functions torch.nn.functional's losses call
 from torch.nn.modules._functions import BackwardHookFunction  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
@@ -277,6 +280,13 @@ def exporting_hidden_from(hidden: Callable[[types.CodeType, str], bool], depth: 
         yield
     finally:
         torch.compiler.is_exporting = real
+
+
+def is_fsdp(x: Any, module: str, cls: str) -> bool:
+    """``isinstance(x, torch.distributed.fsdp._fully_shard.<module>.<cls>)`` without importing FSDP (a fifth
+    of fxshard's import time): nothing can be an instance before that module is imported."""
+    mod = sys.modules.get(f"torch.distributed.fsdp._fully_shard.{module}")
+    return mod is not None and isinstance(x, getattr(mod, cls))
 
 
 _LAZY = {

@@ -12,7 +12,7 @@ import zlib
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.torch_compat import TorchDispatchMode
 

@@ -29,7 +29,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.context import ShardContext
 from ..core.mesh import MeshInfo

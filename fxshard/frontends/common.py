@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..comm.consistency import check_same_on_all_ranks, stable_repr
 from ..core.context import ShardContext

@@ -38,7 +38,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.distributed.device_mesh import DeviceMesh
 from torch.func import functionalize
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..ops.attention import attention_as_one_op
 from ..tracing.captured import Captured, captured_scalars, check_captured, settled_after_trace

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..planner.auto import RETRIES, AutoReport, complete_plan, measure, next_margin, parse_budget, solve_within
 from ..analysis.liveness import output_values, remembering_values

@@ -108,7 +108,7 @@ def _replace_inputs(node: fx.Node, ins: list, remap: dict) -> None:
             return targets.get(i, a)
         return a
 
-    from torch.utils import _pytree as pytree
+    from ..core.torch_compat import pytree
 
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     flat = [sub(a) for a in flat]

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import forward_ad as _forward_ad
 from torch.nn.utils.parametrize import is_parametrized
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..comm.replicas import check_pieces_differ, holds_sentinel
 from ..core.errors import ShardingError, name_few

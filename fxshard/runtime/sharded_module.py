@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..comm.failures import run_program
 from ..comm.replicas import communicates

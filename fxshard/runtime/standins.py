@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..core.errors import ShardingError
-from .state_interop import is_fsdp
+from ..core.torch_compat import is_fsdp
 
 __all__ = ["StandIn", "Scope", "ScopeList", "ScopeDict", "scope_for", "keep_traced", "container",
            "register_train_overrides"]

@@ -4,11 +4,10 @@ gradient clipping over the full gradients, and composing with FSDP2's ``fully_sh
 
 ``StateInterop`` is a base class of ``ShardedModule`` holding these methods (and the private accessors of the
 module's ``ShardedState`` the runtime reads); the module-level helpers (``tensor_at``, ``named_tensors``,
-``is_fsdp``, ``written_state``, ``local_slice``) work on any module or tensor."""
+``written_state``, ``local_slice``) work on any module or tensor."""
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
@@ -18,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..comm.replicas import as_words, check_replicas, communicates, from_source
+from ..core.torch_compat import is_fsdp
 from ..core.errors import ShardingError, name_few
 from ..core.mesh import MeshInfo
 from ..core.placements import Pl
@@ -27,7 +27,7 @@ from ..state.grad_norm import clip_grad_norm_ as _clip_grad_norm
 from ..state.sharded_state import ParameterLayout, ShardedState
 from ..state.tiled_init import draw_seed, fill as fill_tiles
 
-__all__ = ["StateInterop", "tensor_at", "named_tensors", "is_fsdp", "one_value", "written_state", "local_slice"]
+__all__ = ["StateInterop", "tensor_at", "named_tensors", "one_value", "written_state", "local_slice"]
 
 
 def tensor_at(root: nn.Module, fqn: str) -> torch.Tensor:
@@ -44,13 +44,6 @@ def named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
-
-
-def is_fsdp(x: Any, module: str, cls: str) -> bool:
-    """``isinstance(x, torch.distributed.fsdp._fully_shard.<module>.<cls>)`` without importing FSDP (a fifth
-    of fxshard's import time): nothing can be an instance before that module is imported."""
-    mod = sys.modules.get(f"torch.distributed.fsdp._fully_shard.{module}")
-    return mod is not None and isinstance(x, getattr(mod, cls))
 
 
 def one_value(p: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from .checkpoint import Piece
 from ..core.errors import ShardingError

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.context import ShardContext
 from ..core.errors import ShardingError

@@ -46,7 +46,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..plans.constrain import CONSTRAIN_OP, constraint_kind
 from .fake import fake_like, functional_make_fx

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.torch_compat import OpOverload, OpOverloadPacket
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils.checkpoint
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.errors import ShardingError
 from ..core.torch_compat import (CUSTOM_OP_AUTOGRAD_MODULE_PREFIX, TORCH_DERIVATIVE_BACKWARDS, BackwardHookFunction,

@@ -43,7 +43,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.export.graph_signature import ConstantArgument, InputKind
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..ops.attention import route_exported
 from ..plans.constrain import constraint_scope, record

@@ -42,7 +42,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.context import ShardContext
 from ..core.errors import ShardingError

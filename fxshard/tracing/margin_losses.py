@@ -18,6 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..core.torch_compat import C_NN
 from ..core.torch_compat import nn_reduction as _Reduction
 
 aten = torch.ops.aten
@@ -81,7 +82,7 @@ _ABOVE_AUTOGRAD = {
 
 
 class margin_losses_as_eager(TorchFunctionMode):
-    """While active, ``torch.nn.functional``'s (and ``torch._C._nn``'s) margin losses of ``_ABOVE_AUTOGRAD``
+    """While active, ``torch.nn.functional``'s (and the C functions they call, ``torch_compat.C_NN``) margin losses of ``_ABOVE_AUTOGRAD``
     run its replacements: ``make_fx`` traces of Python functions (``fxshard.jit``) then hold them where
     torch's Autograd-key decomposition would run (export graphs are fixed by ``replace_above_autograd``).
 
@@ -108,8 +109,8 @@ class margin_losses_as_eager(TorchFunctionMode):
 
 
 _MARGIN_FUNCTIONAL = {F.multilabel_margin_loss: _multilabel_margin_loss, F.multi_margin_loss: _multi_margin_loss}
-_MARGIN_C = {torch._C._nn.multilabel_margin_loss: (_multilabel_margin_loss, ("input", "target", "reduction")),
-             torch._C._nn.multi_margin_loss: (_multi_margin_loss,
+_MARGIN_C = {C_NN.multilabel_margin_loss: (_multilabel_margin_loss, ("input", "target", "reduction")),
+             C_NN.multi_margin_loss: (_multi_margin_loss,
                                               ("input", "target", "p", "margin", "weight", "reduction"))}
 
 

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
+from ..core.torch_compat import pytree
 
 from ..core.errors import ShardingError
 from ..core.ir import STOP_KEY, source_line
