@@ -50,7 +50,7 @@ from ..core.context import ShardContext, runtime_device
 from ..runtime.description import Sharding
 from ..core.errors import ShardingError
 from ..tracing.forward_state import host_rngs_unchanged
-from ..runtime.inputs import check_no_autocast, check_replicated_values
+from ..runtime.inputs import check_replicated_values
 from ..core.mesh import MeshInfo
 from ..runtime.programs import Program
 from .common import check_consistent, context_for, graph_outputs, required_outputs
@@ -129,6 +129,20 @@ def _static_key(x: Any) -> Any:
     except TypeError:
         return (type(x), repr(x))
 
+
+
+def check_no_autocast(where: str, device_type: str) -> None:
+    """Requires: ``device_type`` is the mesh's (``"cpu"``, ``"cuda"``, ...). Ensures: returns if
+    ``torch.autocast`` is off for it, else raises ShardingError. ``fxshard.jit`` traces its programs without
+    autocast and runs them as traced: under it, a call would compute in other dtypes than eager does."""
+    if not torch.is_autocast_enabled(device_type):
+        return
+    raise ShardingError(
+        f"{where}: torch.autocast is enabled for {device_type!r} (dtype {torch.get_autocast_dtype(device_type)}), "
+        f"but fxshard.jit traces and runs its programs without autocast, so its casts would not be eager's. Run "
+        f"this outside the autocast context (or inside torch.autocast({device_type!r}, enabled=False)); for "
+        f"mixed precision, shard a module with fxshard.shard() called inside torch.autocast (its programs hold "
+        f"autocast's casts), or convert the model and inputs (e.g. model.to(torch.bfloat16))")
 
 class ShardedFunction:
     """This rank's sharded version of a pure function (returned by :func:`jit`).

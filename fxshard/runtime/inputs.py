@@ -5,8 +5,8 @@ plan relied on, so an input of another size must be stopped before it runs:
 otherwise it fails deep inside with an unreadable shape error, or, worse, runs.
 Static dims must match exactly (this rank's ``torch.chunk`` piece when split), and
 so must dtypes (the program's ops were traced for them) and the device type (meta
-tensors hold no data). For the same reason ``fxshard.jit`` refuses ``torch.autocast``
-(``check_no_autocast``; a ShardedModule checks it against the state it was traced in, ``precision.py``).
+tensors hold no data). For the same reason a call under another autocast state than the one traced raises
+(``core/precision.py``; ``fxshard.jit`` refuses autocast, ``frontends/jit.py``).
 A dynamic dim (``dynamic_shapes``) may take any size that satisfies its
 declaration, e.g. ``2*Dim('seq')`` needs an even global size, within its
 ``min``/``max``, and equal wherever the same symbol appears.
@@ -31,7 +31,7 @@ from .sources import SHARED
 from ..core.spec import local_shape, shard_factor
 from ..core.symbolic import Dim, is_concrete, sym_shape
 
-__all__ = ["InputCheck", "check_no_autocast", "check_replicated_values"]
+__all__ = ["InputCheck", "check_replicated_values"]
 
 
 @dataclass(frozen=True)
@@ -196,20 +196,6 @@ def check_replicated_values(tensors: Sequence[Any], placements: Sequence[Sequenc
     mesh axis; nothing on one process or the fake process group)."""
     named = {n: t for n, t in zip(names, tensors) if isinstance(t, torch.Tensor)}
     guard_collective(lambda: check_replicas(named, dict(zip(names, placements)), mesh, _WHY), _COMPARING)
-
-
-def check_no_autocast(where: str, device_type: str) -> None:
-    """Requires: ``device_type`` is the mesh's (``"cpu"``, ``"cuda"``, ...). Ensures: returns if
-    ``torch.autocast`` is off for it, else raises ShardingError. ``fxshard.jit`` traces its programs without
-    autocast and runs them as traced: under it, a call would compute in other dtypes than eager does."""
-    if not torch.is_autocast_enabled(device_type):
-        return
-    raise ShardingError(
-        f"{where}: torch.autocast is enabled for {device_type!r} (dtype {torch.get_autocast_dtype(device_type)}), "
-        f"but fxshard.jit traces and runs its programs without autocast, so its casts would not be eager's. Run "
-        f"this outside the autocast context (or inside torch.autocast({device_type!r}, enabled=False)); for "
-        f"mixed precision, shard a module with fxshard.shard() called inside torch.autocast (its programs hold "
-        f"autocast's casts), or convert the model and inputs (e.g. model.to(torch.bfloat16))")
 
 
 def _finite(x: Any) -> bool:
