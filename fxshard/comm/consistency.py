@@ -197,22 +197,23 @@ def agree(value: Any, mesh: "MeshInfo") -> Any:
 def on_lead(fn: Callable[[], Any], mesh: "MeshInfo", what: str) -> Any:
     """``fn()`` computed once, by the rank at mesh coordinate 0 on every axis, and its result handed to every
     rank of ``mesh`` (``agree``), so the other ranks neither spend CPU on it nor can differ. A ShardingError
-    it raises is raised on every rank; any other exception is raised on the lead and named in a ShardingError
-    on the others. On one process or the fake process group: ``fn()``."""
+    it raises is raised on every rank, as the same class (a subclass such as NoPlanError stays one); any other
+    exception is raised on the lead and named in a ShardingError on the others. On one process or the fake process group: ``fn()``."""
     if not _communicates():
         return fn()
     out: Any = None
     if all(c == 0 for c in mesh.coords):
         try:
             out = ("ok", fn())
-        except ShardingError as e:
-            out = ("error", str(e))
+        except ShardingError as e:  # its class too: callers branch on the kind (e.g. NoPlanError)
+            out = ("error", (type(e), str(e)))
         except Exception as e:  # the other ranks wait for a result: tell them before raising
-            agree(("error", f"{what} failed on rank {mesh.rank}: {type(e).__name__}: {e}"), mesh)
+            agree(("error", (ShardingError, f"{what} failed on rank {mesh.rank}: {type(e).__name__}: {e}")), mesh)
             raise
     kind, value = agree(out, mesh)
     if kind == "error":
-        raise ShardingError(value)
+        cls, message = value
+        raise cls(message)
     return value
 
 
