@@ -384,7 +384,7 @@ def _resharder(model: nn.Module, info: MeshInfo, req: _Request, placements: dict
       submodule at ``fqn`` (a class of the model's own that overrides ``nn.Module.train``, e.g. keeping its
       BatchNorms in eval) on the copy, its subtree first set to the stand-ins' current ``modes`` and
       ``requires_grad`` flags, and gives them after it (names relative to the submodule), for the stand-ins to
-      take (``_StandIn.train``); None when there is no copy."""
+      take (``StandIn.train``); None when there is no copy."""
     # the tensors a traced constant may be, by FQN (a wrapper such as loss_parallel's makes its model's
     # buffers constants); a tensor the forward creates is numbered (lifted_tensor_N), not one of these
     plain = _tensor_attributes(model)
