@@ -239,3 +239,39 @@ def test_a_query_broadcasting_over_the_batch_matches_eager(mesh2):
     want.sum().backward()
     for n, p in ref.named_parameters():
         assert torch.allclose(sm.get_parameter(n).grad, p.grad, rtol=1e-5, atol=1e-6), n
+
+
+def test_views_export_kept_after_attention_stay_valid():
+    """Export records attention's output with the layout its kernel gave then (torch 2.11's CPU kernel: ``[B, H,
+    L, E]`` laid out as ``[B, L, H, E]``) and drops ``.contiguous()`` where that made it a no-op, so
+    ``out.transpose(1, 2).contiguous().view(B, L, -1)`` reaches fxshard as a bare view. Routed to
+    ``fxshard::attention`` (contiguous output), the program restores the recorded layout: the view runs and the
+    values are eager's (without it: 'view size is not compatible with input tensor's size and stride')."""
+    import torch.fx as fx
+
+    from fxshard.ops.attention import route_exported
+
+    b, h, t, e = 2, 4, 8, 16
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    g = fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    att = g.call_function(sdpa, (q, k, v))
+    tr = g.call_function(torch.ops.aten.transpose.int, (att, 1, 2))
+    g.output(g.call_function(torch.ops.aten.view.default, (tr, [b, t, h * e])))
+    gm = fx.GraphModule(nn.Module(), g)
+    att.meta["val"] = torch.empty(b, t, h, e).transpose(1, 2)  # the layout the traced kernel returned
+    route_exported(gm)
+    assert att.target is ATTENTION
+    torch.manual_seed(0)
+    x = [torch.randn(b, t, h, e).transpose(1, 2) for _ in range(3)]
+    want = F.scaled_dot_product_attention(*x).transpose(1, 2).contiguous().view(b, t, h * e)
+    torch.testing.assert_close(gm(*x), want)
+    # a recorded contiguous output needs nothing: no node is added
+    g2 = fx.Graph()
+    q2, k2, v2 = (g2.placeholder(n) for n in "qkv")
+    att2 = g2.call_function(sdpa, (q2, k2, v2))
+    g2.output(att2)
+    att2.meta["val"] = torch.empty(b, h, t, e)
+    gm2 = fx.GraphModule(nn.Module(), g2)
+    route_exported(gm2)
+    assert [n.target for n in gm2.graph.nodes if n.op == "call_function"] == [ATTENTION]
