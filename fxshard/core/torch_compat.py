@@ -57,6 +57,7 @@ their names here are functions that import on call, or attributes resolved on fi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import sys
@@ -280,6 +281,16 @@ def exporting_hidden_from(hidden: Callable[[types.CodeType, str], bool], depth: 
         yield
     finally:
         torch.compiler.is_exporting = real
+
+
+def packed_spec(spec: Any) -> Any:
+    """``spec`` (a DTensorSpec whose ``_StridedShard`` placements each split blocks of a packed dim on one mesh
+    axis) read as exactly that, on every torch of the window: where DTensorSpec reads ``_StridedShard`` as
+    an order of mesh axes by default (``use_strided_shard_as_shard_order``), a lone one cannot be such an order,
+    and torch 2.11 then refuses to redistribute it (``full_tensor()`` raised ValueError)."""
+    if getattr(spec, "use_strided_shard_as_shard_order", None):
+        return dataclasses.replace(spec, use_strided_shard_as_shard_order=False, shard_order=None)
+    return spec
 
 
 def is_fsdp(x: Any, module: str, cls: str) -> bool:

@@ -36,7 +36,7 @@ from ..core.errors import ShardingError
 from ..core.mesh import MeshInfo
 from ..core.placements import Pl, S, from_torch, to_torch
 from ..core.spec import chunk, chunk_index, shard_factor
-from ..core.torch_compat import StridedShard as _StridedShard, compute_local_shape_and_global_offset
+from ..core.torch_compat import StridedShard as _StridedShard, compute_local_shape_and_global_offset, packed_spec
 
 if TYPE_CHECKING:  # imported where used: torch.distributed.checkpoint is not needed to shard a model
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -138,7 +138,7 @@ def to_dtensor(local: torch.Tensor, mesh: DeviceMesh, pls: Sequence[Pl], shape: 
     dt = DTensor.from_local(local, mesh, [to_torch(p) for p in pls], shape=size, stride=_contiguous_stride(size))
     if all(not isinstance(p, S) or p.outer == 1 for p in pls):
         return dt
-    return _PackedDTensor(dt._local_tensor, dt._spec, requires_grad=dt.requires_grad)
+    return _PackedDTensor(dt._local_tensor, packed_spec(dt._spec), requires_grad=dt.requires_grad)
 
 
 def storage(value: torch.Tensor) -> torch.Tensor:
