@@ -155,7 +155,7 @@ def counted(name, fn):
 
 import torch.distributed as dist
 import fxshard
-from fxshard.analysis import layout
+from fxshard.core import layout
 from fxshard.planner import problem, propagate
 
 # the passes bound optimization_hint when fxshard was imported; the softmax decomposition binds its name on use

@@ -127,7 +127,7 @@ class OpClass(Flag):
     RESHAPE = auto()  # view(x, shape): a view of a view of x is a view of x (simplify.fold_views)
     BASE_VIEW = auto()  # propagate replicates a one-user view's base instead of the view
     SQUEEZE = auto()  # squeezes: localize keeps a rank's one-element piece of a split dim
-    LAYOUT_FOLLOWS_INPUTS = auto()  # outputs take their inputs' stride order (analysis/layout.py)
+    LAYOUT_FOLLOWS_INPUTS = auto()  # outputs take their inputs' stride order (core/layout.py)
     SHAPE_ONLY = auto()  # reads sizes only, computes nothing (overlap_report's compute count)
 
 

@@ -10,8 +10,8 @@ program runs (``F.scaled_dot_product_attention``'s own choice on the device the 
 
 * ``fxshard::attention(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False) -> out``:
   ``out`` is always contiguous ``[..., L, Ev]`` (no program depends on the layout a kernel returns); where
-  export recorded another layout for the attention it replaces, the program restores that layout after it
-  (``_keep_traced_layout``), so the views export kept stay valid.
+  export recorded another stride order for the attention it replaces, the program restores it after the op
+  (``_keep_traced_layout``, through ``core/layout.py``'s ``pin``), so the views export kept stay valid.
 * ``fxshard::attention_backward(grad, q, k, v, attn_mask, is_causal, scale, enable_gqa, mask_grad) ->
   [grad_q, grad_k, grad_v(, grad_mask)]``: recomputes the forward and differentiates it (one extra
   attention forward per call): on CPU, where eager picks the fused kernel, that kernel's forward and
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 
+from ..core.layout import memory_order, pin
 from ..core.precision import AUTOCAST_DEVICES
 
 aten = torch.ops.aten
@@ -252,29 +253,15 @@ def route_exported(gm: fx.GraphModule) -> None:
 
 def _keep_traced_layout(graph: fx.Graph, n: fx.Node) -> None:
     """Requires: ``n`` was export's attention node, now ``fxshard::attention`` (contiguous output). Ensures: its
-    users read a value with the strides export recorded for it (``meta["val"]``), which the views export kept
+    users read a value in the stride order export recorded for it (``meta["val"]``), which the views export kept
     after it were valid for: export drops a ``.contiguous()`` that was a no-op for the kernel it traced with
     (torch 2.11's CPU kernel returns ``[B, H, L, E]`` laid out as ``[B, L, H, E]``, so
-    ``out.transpose(1, 2).contiguous().view(B, L, -1)`` became a bare ``view``). A dense non-contiguous
-    layout is restored by ``permute -> clone(contiguous) -> permute back``: one copy, the same on every
-    device and kernel."""
+    ``out.transpose(1, 2).contiguous().view(B, L, -1)`` became a bare ``view``). ``layout.pin`` restores it,
+    the same on every device and kernel."""
     val = n.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.is_contiguous() or val.dim() < 2:
-        return
-    order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))  # outermost dim first
-    if not val.permute(order).is_contiguous():
-        return  # not a dense permutation of a contiguous layout: nothing export could have relied on here
-    back = [order.index(d) for d in range(val.dim())]
-    users = list(n.users)
-    with graph.inserting_after(n):
-        forward = graph.call_function(aten.permute.default, (n, order))
-    with graph.inserting_after(forward):
-        dense = graph.call_function(aten.clone.default, (forward,), {"memory_format": torch.contiguous_format})
-    with graph.inserting_after(dense):
-        restored = graph.call_function(aten.permute.default, (dense, back))
-    forward.meta["val"], dense.meta["val"], restored.meta["val"] = val.permute(order), val.permute(order), val
-    for u in users:
-        u.replace_input_with(n, restored)
+    order = memory_order(val) if isinstance(val, torch.Tensor) else None
+    if order is not None:
+        pin(graph, n, order)
 
 
 class attention_as_one_op(TorchFunctionMode):

@@ -1,7 +1,7 @@
 """Pass 6, emit: a clean per-rank GraphModule.
 
 Requires: a localized graph. Ensures: dead nodes removed, traced layouts that
-views rely on kept (``analysis/layout.py``), chains of views folded
+views rely on kept (``core/layout.py``), chains of views folded
 (``tracing/simplify.py::fold_views``), the graph linted and recompiled;
 the result runs on local tensors with plain ATen ops and functional
 collectives only.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..core.context import ShardContext
-from ..analysis.layout import pin_layouts
+from ..core.layout import pin_layouts
 from ..tracing.simplify import fold_views
 
 __all__ = ["emit"]

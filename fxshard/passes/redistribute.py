@@ -20,7 +20,7 @@ from ..core.errors import ShardingError
 from ..rules.registry import tensor_inputs
 from ..core.ir import IN_KEY, META_KEY, source_line
 from ..core.spec import fmt_placements
-from ..analysis.layout import memory_order, pin, reads_strides
+from ..core.layout import memory_order, pin, reads_strides
 
 __all__ = ["redistribute"]
 

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..core.ir import INSERTED_KEY, VIEW_OPS, OpClass, is_op
-from ..core.torch_compat import optimization_hint
+from .ir import INSERTED_KEY, VIEW_OPS, OpClass, is_op
+from .torch_compat import optimization_hint
 
 aten = torch.ops.aten
 
