@@ -10,15 +10,7 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parent.parent / "fxshard"
-
-
-def _module_name(path: Path, pkg: Path = PKG) -> str:
-    rel = path.relative_to(pkg.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+from tests.package_ast import PKG, import_source, module_name
 
 
 def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
@@ -28,21 +20,15 @@ def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
     ``from . import x`` counts as importing ``x`` when ``x`` is a module; a package's own ``__init__``
     is not an edge of its submodules (Python runs it first, but it only re-exports).
     """
-    modules = {_module_name(p, pkg): p for p in pkg.rglob("*.py")}
+    modules = {module_name(p, pkg): p for p in pkg.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    stem = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    stem = node.module or ""
+                stem = import_source(mod, node, path.name == "__init__.py")
                 targets = [f"{stem}.{a.name}" if f"{stem}.{a.name}" in modules else stem for a in node.names]
             for t in targets:
                 if t not in modules and (t == "fxshard" or t.startswith("fxshard.")):
@@ -178,7 +164,7 @@ def shadowing(pkg: Path = PKG) -> list[str]:
                 bound = [(node.name, node.name, False)]
             else:
                 continue
-            found += [f"{_module_name(init, pkg)}.{b}" for b, orig, is_module in bound if b in subs and not (is_module and b == orig)]
+            found += [f"{module_name(init, pkg)}.{b}" for b, orig, is_module in bound if b in subs and not (is_module and b == orig)]
     return sorted(found)
 
 

@@ -11,22 +11,12 @@ import ast
 from pathlib import Path
 
 import fxshard
-
-PKG = Path(fxshard.__file__).parent
-
-# ``from <module> import <name>`` of a private name still present: (importing module, source module, name).
-# ``_cse`` is being made public on another branch (issue 39, tracing/export.py split); drop the entries then.
-
+from tests.package_ast import PKG, import_source, module_name
 
 
 def _modules(root: Path = PKG) -> dict[str, ast.Module]:
     """Dotted module name -> its parsed source, for every module of the package under ``root``."""
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = ("fxshard",) + path.relative_to(root).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        out[name] = ast.parse(path.read_text(), str(path))
-    return out
+    return {module_name(path, root): ast.parse(path.read_text(), str(path)) for path in sorted(root.rglob("*.py"))}
 
 
 def _is_private(name: str) -> bool:
@@ -105,15 +95,6 @@ def private_uses(modules: dict[str, ast.Module], names: set[str], defining: set[
     return found
 
 
-def _resolve(mod: str, node: ast.ImportFrom, is_package: bool) -> str:
-    """The absolute module name ``node`` (in module ``mod``) imports from."""
-    if not node.level:
-        return node.module or ""
-    base = mod.split(".") if is_package else mod.split(".")[:-1]
-    base = base[: len(base) - (node.level - 1)]
-    return ".".join(base + ([node.module] if node.module else []))
-
-
 def private_imports(modules: dict[str, ast.Module], root: Path = PKG) -> set[tuple[str, str, str]]:
     """Every ``(importing module, source module, name)`` where an fxshard module imports a ``_private`` name
     from another fxshard module (``from .x import _name``; aliases do not matter, the imported name does)."""
@@ -123,7 +104,7 @@ def private_imports(modules: dict[str, ast.Module], root: Path = PKG) -> set[tup
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            source = _resolve(mod, node, mod in packages)
+            source = import_source(mod, node, mod in packages)
             if source.split(".")[0] != "fxshard" or source == mod:
                 continue
             for alias in node.names:
