@@ -23,7 +23,7 @@ part() {  # part NAME SECONDS CMD...: run CMD with a time limit, log to $OUT/NAM
   return 0
 }
 part versions 30 "$PY" -c "import torch, fxshard; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'); print('fxshard', fxshard.__file__)"
-part gpu_tests 240 env OMP_NUM_THREADS=4 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=10
-part gpu_step 300 "$PY" benchmarks/gpu_step.py --out "$OUT" ${GPU_STEP_ARGS:-}
+part gpu_tests 270 env OMP_NUM_THREADS=4 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu --durations=10
+part gpu_step 270 "$PY" benchmarks/gpu_step.py --out "$OUT" ${GPU_STEP_ARGS:-}
 echo "gpu_check rc=$rc" | tee -a "$OUT/summary.txt"
 exit $rc

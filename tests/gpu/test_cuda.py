@@ -7,7 +7,8 @@ What runs where:
 * numerics (sharded program vs the same model run eagerly, loss and every gradient) on a 1-rank NCCL world:
   the CUDA path of every op (the attention node's CUDA kernels, autocast's casts, the joint graph split,
   torch.compile of the sharded module), for models built on CPU and on the meta device. Multi-rank numerics
-  are the CPU suite's (2 and 4 gloo ranks): the rules and collectives are the same on every device.
+  on the GPU: ``test_two_ranks.py`` (2 ranks sharing the GPU, real NCCL collectives); the CPU suite covers
+  every rule on 2 and 4 gloo ranks.
 * plans at real ranks: the fake process group stands in for 8 tensor-parallel ranks on one GPU (collectives
   are free no-ops, so values are not compared): no replicated fallback, attention one node split by heads,
   no CPU-only kernel in the program, and a training step runs on CUDA at tp=8 shapes.

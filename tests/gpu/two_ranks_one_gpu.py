@@ -1,0 +1,114 @@
+"""Two ranks sharing one GPU, with real NCCL collectives between them: the Llama model trained tensor-parallel
+(tp=2) against the same model run unsharded, loss and every gradient, in fp32 and bf16 autocast, built on CPU
+and on the meta device. ``tests/gpu/test_two_ranks.py`` launches it with torchrun::
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/gpu/two_ranks_one_gpu.py
+
+How two ranks share one GPU: NCCL refuses two ranks of one host on one device ("Duplicate GPU detected"; it
+compares host hashes and PCI bus ids). Each rank here gets its own ``NCCL_HOSTID``, so NCCL sees two hosts
+of one GPU each and joins them with its socket transport over the loopback interface: real NCCL
+collectives on CUDA tensors, slower than NVLink, which does not matter for parity. (gloo on CUDA tensors
+crashed both ranks; a one-rank NCCL world exchanges nothing.)
+
+``FXSHARD_GPU_TEST_DEVICE=cpu`` runs the same checks on CPU with gloo (a dry run, not a GPU result).
+Exit status 0 only when every check passed; the last line of rank 0's output is ``RESULT <json>``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+
+import fxshard  # noqa: E402
+from fxshard.models import LlamaDecoder  # noqa: E402
+from tests.gpu.test_cuda import SMALL, TOLS, _autocast, _batches, megatron_plan  # noqa: E402
+
+DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
+
+
+def one_gpu_nccl_env(rank: int) -> dict[str, str]:
+    """The NCCL settings that let rank ``rank`` share the machine's one GPU with the other ranks."""
+    return {"NCCL_HOSTID": f"fxshard-one-gpu-rank{rank}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+
+
+def _train(module, batches, dtype, full_grad, steps: int = 2) -> tuple[list[float], dict]:
+    """``steps`` SGD steps; the losses and the first step's gradients as full tensors (``full_grad``)."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.05)
+    losses, grads = [], {}
+    for i in range(steps):
+        with _autocast(dtype):
+            loss = module(*batches[i % len(batches)])
+        loss.backward()
+        if i == 0:
+            grads = {n: full_grad(n, p.grad) for n, p in module.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def _case(mesh, dtype, built_on: str) -> dict:
+    """Relative errors (scaled as in test_cuda) of the sharded run against eager, both on DEVICE."""
+    torch.manual_seed(0)
+    ref = LlamaDecoder(**SMALL).to(DEVICE)
+    with torch.device(built_on):
+        model = LlamaDecoder(**SMALL)
+    if built_on != "meta":
+        model.load_state_dict(ref.state_dict())
+    batches = _batches(SMALL)
+    with _autocast(dtype):
+        sm = fxshard.shard(model, mesh, megatron_plan(), example_inputs=batches[0])
+    if built_on == "meta":
+        sm.load_full_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
+        for name in ("rope_cos", "rope_sin"):
+            sm.get_buffer(name).copy_(ref.get_buffer(name))
+    layout = sm.fxshard_state.layout
+    split = [n for n, _ in sm.named_parameters() if layout.split_axes(n)]
+    losses, grads = _train(sm, batches, dtype, lambda n, g: layout.dtensor(n, g).full_tensor())
+    ref_losses, ref_grads = _train(ref, batches, dtype, lambda n, g: g.detach().clone())
+    loss_err = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, ref_losses))
+    grad_err = {n: (grads[n] - g).abs().max().item() / max(1e-3, g.abs().max().item()) for n, g in ref_grads.items()}
+    worst = max(grad_err, key=grad_err.get)
+    return {"loss_err": loss_err, "grad_err": grad_err[worst], "worst_grad": worst, "split_params": len(split),
+            "params": len(ref_grads), "tol": TOLS[dtype]}
+
+
+def main() -> int:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if DEVICE == "cuda":
+        os.environ.update(one_gpu_nccl_env(rank))
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    else:
+        dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh(DEVICE, (world,), mesh_dim_names=("tp",))
+        probe = torch.full((4,), float(rank + 1), device=DEVICE)
+        dist.all_reduce(probe)  # a real exchange: every rank must see 1 + 2 + ... + world
+        exchanged = probe.tolist() == [world * (world + 1) / 2] * 4
+        results = {"backend": dist.get_backend(), "device": DEVICE, "world": world, "exchanged": exchanged,
+                   "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else None, "torch": torch.__version__}
+        ok = exchanged
+        for dtype in (None, torch.bfloat16):
+            for built_on in ("cpu", "meta"):
+                r = _case(mesh, dtype, built_on)
+                r["ok"] = r["loss_err"] <= r["tol"] and r["grad_err"] <= r["tol"] and r["split_params"] > 0
+                ok = ok and r["ok"]
+                results[f"{'fp32' if dtype is None else 'bf16-autocast'}/{built_on}"] = r
+        if rank == 0:
+            print("RESULT " + json.dumps(results), flush=True)
+        return 0 if ok else 1
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
