@@ -12,7 +12,8 @@ files=("$@")
 if [ "${#files[@]}" -eq 0 ]; then
   files=(tests/test_torch_compat.py tests/test_rules.py tests/test_passes.py tests/test_custom_gradients.py tests/test_training.py
          tests/test_forward_parity.py tests/test_hf_plans.py tests/test_compile.py tests/test_attention.py
-         tests/test_mixed_precision.py tests/test_packed.py tests/test_eager_branches.py tests/test_hf_zoo.py)
+         tests/test_mixed_precision.py tests/test_packed.py tests/test_eager_branches.py tests/test_hf_zoo.py
+         tests/test_fsdp2.py)
 fi
 "$py" -c "import torch, fxshard; print('torch', torch.__version__, '| fxshard from', fxshard.__file__)" || exit 1
 failed=0

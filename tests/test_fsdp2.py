@@ -8,6 +8,8 @@
   without gradients frees FSDP2's gathered parameters, and one with gradients never backpropagated changes
   neither the next step's loss nor its gradients (optimizer or module ``zero_grad``), nor does a second
   forward before one backward.
+* the same with packed weights (gate/up blocks split on tp, ``Packed``): training, full state dicts, and a DCP
+  round trip of the sharded state dict (same spawn);
 * torch's DDP over the dp axis of a module fxshard sharded on tp trains like the unsharded model (same spawn);
 * state dicts between fxshard and a plain FSDP2 model, both ways, through
   ``torch.distributed.checkpoint.state_dict`` (2 gloo ranks, forward and gradients against the unsharded model).
@@ -16,6 +18,7 @@
 from __future__ import annotations
 
 import copy
+import tempfile
 import warnings
 
 import torch
@@ -25,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import fxshard
+from fxshard.core.placements import S
 from fxshard.runtime.state_interop import local_slice
 from tests import models
 from tests.dist_utils import run_ranks
@@ -47,9 +51,51 @@ def _state_err(got: dict, want: dict) -> float:
     return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
-def _fsdp2_over_dp(rank: int, world: int) -> dict:
+def _fsdp2_over_dp(rank: int, world: int, path: str) -> dict:
     mesh = fxshard.init_mesh(dp=2, tp=2)
-    return {"ddp": _ddp_run(mesh), **{per_layer: _fsdp2_run(mesh, per_layer) for per_layer in (False, True)}}
+    return {"ddp": _ddp_run(mesh), "packed": _packed_run(mesh, path),
+            **{per_layer: _fsdp2_run(mesh, per_layer) for per_layer in (False, True)}}
+
+
+def _packed_run(mesh, path: str) -> dict:
+    """fully_shard over dp of a module whose gate/up weights fxshard splits as packed blocks on tp: 2 SGD steps
+    against the unsharded model, its full state dicts, and the same loss after its sharded state dict goes
+    through DCP into a fresh composed module. (torch 2.11 read the composed (dp, tp) placements as a shard
+    order and refused ``full_tensor()``.)"""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_packed import CASES, PACKED_PLANS
+
+    case, dp_rank = CASES["packed_moe"], mesh.get_coordinate()[0]
+    model = case.make_model()
+    x, y = case.make_inputs()
+    batches = [(x, y), (x.flip(0), y.flip(0))]
+    local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)  # noqa: E731
+
+    def composed(m):
+        sm = fxshard.shard(copy.deepcopy(m), mesh["tp"], PACKED_PLANS["packed_moe"], example_inputs=local(batches[0]))
+        fully_shard(sm, mesh=mesh["dp"])
+        return sm
+
+    sm = composed(model)
+    packed = any(isinstance(p, S) and p.outer > 1 for pls in sm.fxshard_state.layout.placements.values() for p in pls)
+    worst = train_on_local_batches(model, sm, batches, local, steps=2, global_loss=lambda v: _dp_mean(mesh, v))
+    want = model.state_dict()
+    full_errs = [_state_err(sm.full_state_dict(), want), _state_err(get_model_state_dict(sm, options=FULL), want)]
+    dcp.save(get_model_state_dict(sm), checkpoint_id=path)
+    fresh = composed(case.make_model())
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(fresh, state)
+    with torch.no_grad():
+        reload_err = abs(fresh(*local(batches[0])).item() - sm(*local(batches[0])).item())
+    return {"packed": packed, "loss_err": worst, "full_errs": full_errs, "reload_err": reload_err}
+
+
+def _dp_mean(mesh, loss: float) -> float:
+    t = torch.tensor(loss)
+    torch.distributed.all_reduce(t, group=mesh["dp"].get_group())
+    return t.item() / 2
 
 
 class _DpSetup:
@@ -64,9 +110,7 @@ class _DpSetup:
         self.local = lambda b: tuple(t.chunk(2)[dp_rank] for t in b)
 
     def dp_mean(self, loss: float) -> float:
-        t = torch.tensor(loss)
-        torch.distributed.all_reduce(t, group=self.mesh["dp"].get_group())
-        return t.item() / 2
+        return _dp_mean(self.mesh, loss)
 
     def shard(self, m):
         return fxshard.shard(copy.deepcopy(m), self.mesh["tp"], transformer_plan(2),
@@ -179,8 +223,12 @@ def _norms(model, sm) -> list[float]:
 def test_fully_shard_over_dp_composes_with_fxshard_tp():
     """Whole-module ``fully_shard(sm)``, per-layer ``fully_shard(sm.layers[i])`` + root, and torch DDP over dp
     (as Megatron + DDP), one spawn."""
-    for both in run_ranks(_fsdp2_over_dp, 4, timeout=600):
-        ddp = both.pop("ddp")
+    with tempfile.TemporaryDirectory() as path:
+        results = run_ranks(_fsdp2_over_dp, 4, path, timeout=600)
+    for both in results:
+        ddp, packed = both.pop("ddp"), both.pop("packed")
+        assert packed["packed"] and packed["loss_err"] <= 1e-4 and max(packed["full_errs"]) <= TOL, packed
+        assert packed["reload_err"] <= TOL, packed
         assert ddp["loss_err"] <= 1e-4 and ddp["param_err"] <= TOL and ddp["warned"] == [], ddp
         for per_layer, res in both.items():
             assert res["groups"] == (3 if per_layer else 1), res

@@ -82,7 +82,7 @@ def _attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tens
     else:
         _, vjp = torch.func.vjp(lambda q, k, v: _sdpa(q, k, v, attn_mask, is_causal, scale, enable_gqa),
                                 query, key, value)
-    grads = vjp(grad)
+    grads = vjp(grad.contiguous())  # fused kernels' backwards want a dense grad (a .sum()'s grad has stride 0)
     return [g.contiguous() for g in grads]
 
 

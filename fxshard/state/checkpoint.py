@@ -136,6 +136,12 @@ def to_dtensor(local: torch.Tensor, mesh: DeviceMesh, pls: Sequence[Pl], shape: 
     without communication. ``full_tensor()``, ``redistribute`` and DCP save/load work on it, packed too."""
     size = torch.Size(int(s) for s in shape)
     dt = DTensor.from_local(local, mesh, [to_torch(p) for p in pls], shape=size, stride=_contiguous_stride(size))
+    return _as_packed(dt, pls)
+
+
+def _as_packed(dt: DTensor, pls: Sequence[Pl]) -> DTensor:
+    """``dt`` as a ``_PackedDTensor`` read as packed blocks on every torch of the window (``packed_spec``) when
+    one of fxshard's placements ``pls`` is packed; else ``dt`` itself."""
     if all(not isinstance(p, S) or p.outer == 1 for p in pls):
         return dt
     return _PackedDTensor(dt._local_tensor, packed_spec(dt._spec), requires_grad=dt.requires_grad)
@@ -200,8 +206,9 @@ def global_view(value: torch.Tensor, mesh: DeviceMesh, pls: Sequence[Pl], shape:
             f"DeviceMesh ({e}); shard with mesh['tp'] and fully_shard with mesh['dp'] of the same init_mesh"
         ) from e
     size = torch.Size(int(s) for s in shape)
-    return DTensor.from_local(value._local_tensor, both, [*outer, *(to_torch(p) for p in pls)], shape=size,
-                              stride=_contiguous_stride(size))
+    dt = DTensor.from_local(value._local_tensor, both, [*outer, *(to_torch(p) for p in pls)], shape=size,
+                            stride=_contiguous_stride(size))
+    return _as_packed(dt, pls)
 
 
 def local_piece(value: Any, like: DTensor, pieces: list[Piece], name: str) -> torch.Tensor:
