@@ -3,6 +3,7 @@
 # window, pyproject's dependencies), one file at a time, from this checkout (its fxshard, not an installed one).
 #   scripts/check_torch_window.sh /path/to/venv/bin/python [test files...]
 # Prints one line per file (PASS/FAIL, seconds); exits non-zero when any file fails or collects nothing.
+# With no files named and a torch built with CUDA, it also runs scripts/check_cuda_trace.py (CUDA traces, no GPU).
 # Needs pytest, expecttest, hypothesis, numpy, scipy, safetensors and transformers on that python.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,4 +33,15 @@ for f in "${files[@]}"; do
   fi
 done
 rm -f "/tmp/check_torch_window.$$.log"
+if [ "$#" -eq 0 ] && "$py" -c "import sys, torch; sys.exit(not torch.backends.cuda.is_built())"; then
+  # a CUDA build (a GPU machine's wheel, here or there): what fxshard traces on CUDA, without a GPU
+  if FXSHARD_VERIFY=1 "$py" scripts/check_cuda_trace.py > "/tmp/check_cuda_trace.$$.log" 2>&1; then
+    echo "PASS scripts/check_cuda_trace.py: $(tail -n 1 "/tmp/check_cuda_trace.$$.log")"
+  else
+    failed=1
+    echo "FAIL scripts/check_cuda_trace.py:"
+    tail -n 40 "/tmp/check_cuda_trace.$$.log" | sed 's/^/    /'
+  fi
+  rm -f "/tmp/check_cuda_trace.$$.log"
+fi
 exit "$failed"
