@@ -8,11 +8,14 @@ F.scaled_dot_product_attention's own kernel choice (flash / cuDNN / memory-effic
 * ``test_cuda_parity_one_rank_nccl``: every attention form of ``tests/test_attention.py`` on a 1-rank NCCL
   world, sharded vs unsharded, outputs and every gradient.
 * ``test_cpu_traced_program_runs_on_cuda``: the global graph traced on CPU (and on meta) runs on CUDA.
+
+``FXSHARD_GPU_TEST_DEVICE=cpu`` runs the same checks on CPU with gloo (a dry run of this file, not a GPU result).
 """
 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -25,6 +28,8 @@ from tests.test_attention import B, D, FORMS, HEADS, T, _model
 
 pytestmark = pytest.mark.gpu
 
+DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
+
 
 def _fresh_world(backend: str, world: int = 1):
     if dist.is_initialized():
@@ -34,8 +39,9 @@ def _fresh_world(backend: str, world: int = 1):
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=world)
-    return init_device_mesh("cuda", (world,), mesh_dim_names=("tp",))
+        dist.init_process_group(backend if DEVICE == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=world)
+    return init_device_mesh(DEVICE, (world,), mesh_dim_names=("tp",))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,8 +49,8 @@ def test_cuda_traced_attention_is_one_node_and_runs(dtype):
     mesh = _fresh_world("fake", 2)
     try:
         for form in ("causal", "gqa_enable", "learned_mask"):
-            model = _model(form).to("cuda", dtype)
-            x = torch.randn(B, T, D, device="cuda", dtype=dtype, requires_grad=True)
+            model = _model(form).to(DEVICE, dtype)
+            x = torch.randn(B, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
             sm = fxshard.shard(model, mesh, HEADS, example_inputs=(x,))
             ops = {str(n.target) for p in sm._programs() for n in p.gm.graph.nodes if n.op == "call_function"}
             assert str(ATTENTION) in ops and str(ATTENTION_BACKWARD) in ops, (form, ops)
@@ -59,10 +65,10 @@ def test_cuda_parity_one_rank_nccl():
     mesh = _fresh_world("nccl", 1)
     try:
         g = torch.Generator().manual_seed(5)
-        x = torch.randn(B, T, D, generator=g).cuda()
-        cot = torch.randn(B, T, D, generator=g).cuda()
+        x = torch.randn(B, T, D, generator=g).to(DEVICE)
+        cot = torch.randn(B, T, D, generator=g).to(DEVICE)
         for form in FORMS:
-            ref = _model(form).cuda()
+            ref = _model(form).to(DEVICE)
             model = copy.deepcopy(ref)
             xr = x.clone().requires_grad_()
             (ref(xr) * cot).sum().backward()
@@ -97,6 +103,6 @@ def test_cpu_traced_program_runs_on_cuda(device):
         else:
             inputs.append(x)
     want = ref(x)
-    got = traced.gm(*[t.cuda() for t in inputs])
+    got = traced.gm(*[t.to(DEVICE) for t in inputs])
     got = got[0] if isinstance(got, (tuple, list)) else got
     assert (got.cpu() - want).abs().max().item() < 1e-4
