@@ -82,8 +82,9 @@ def _autocast(dtype):
     return torch.autocast(DEVICE, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def _train(module, batches, dtype, steps: int = 2) -> tuple[list[float], dict]:
-    """``steps`` SGD steps; returns the losses and the first step's gradients (full tensors)."""
+def _train(module, batches, dtype, steps: int = 2, grad_of=None) -> tuple[list[float], dict]:
+    """``steps`` SGD steps; returns the losses and the first step's gradients as full tensors: ``grad_of(name,
+    grad)`` (default: a copy of ``grad``, which is the full tensor on one rank)."""
     opt = torch.optim.SGD(module.parameters(), lr=0.05)
     losses, grads = [], {}
     for i in range(steps):
@@ -91,11 +92,15 @@ def _train(module, batches, dtype, steps: int = 2) -> tuple[list[float], dict]:
             loss = module(*batches[i % len(batches)])
         loss.backward()
         if i == 0:
-            grads = {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+            grads = {n: (grad_of or _copy)(n, p.grad) for n, p in module.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, grads
+
+
+def _copy(name: str, grad: torch.Tensor) -> torch.Tensor:
+    return grad.detach().clone()
 
 
 def _batches(cfg: dict, batch: int = 2, seq: int = 64) -> list:

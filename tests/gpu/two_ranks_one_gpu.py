@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import fxshard  # noqa: E402
 from fxshard.models import LlamaDecoder  # noqa: E402
-from tests.gpu.test_cuda import SMALL, TOLS, _autocast, _batches, megatron_plan  # noqa: E402
+from tests.gpu.test_cuda import SMALL, TOLS, _autocast, _batches, _train, megatron_plan  # noqa: E402
 
 DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
 
@@ -37,22 +37,6 @@ DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
 def one_gpu_nccl_env(rank: int) -> dict[str, str]:
     """The NCCL settings that let rank ``rank`` share the machine's one GPU with the other ranks."""
     return {"NCCL_HOSTID": f"fxshard-one-gpu-rank{rank}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
-
-
-def _train(module, batches, dtype, full_grad, steps: int = 2) -> tuple[list[float], dict]:
-    """``steps`` SGD steps; the losses and the first step's gradients as full tensors (``full_grad``)."""
-    opt = torch.optim.SGD(module.parameters(), lr=0.05)
-    losses, grads = [], {}
-    for i in range(steps):
-        with _autocast(dtype):
-            loss = module(*batches[i % len(batches)])
-        loss.backward()
-        if i == 0:
-            grads = {n: full_grad(n, p.grad) for n, p in module.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
 
 
 def _case(mesh, dtype, built_on: str) -> dict:
@@ -72,8 +56,8 @@ def _case(mesh, dtype, built_on: str) -> dict:
             sm.get_buffer(name).copy_(ref.get_buffer(name))
     layout = sm.fxshard_state.layout
     split = [n for n, _ in sm.named_parameters() if layout.split_axes(n)]
-    losses, grads = _train(sm, batches, dtype, lambda n, g: layout.dtensor(n, g).full_tensor())
-    ref_losses, ref_grads = _train(ref, batches, dtype, lambda n, g: g.detach().clone())
+    losses, grads = _train(sm, batches, dtype, grad_of=lambda n, g: layout.dtensor(n, g).full_tensor())
+    ref_losses, ref_grads = _train(ref, batches, dtype)
     loss_err = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, ref_losses))
     grad_err = {n: (grads[n] - g).abs().max().item() / max(1e-3, g.abs().max().item()) for n, g in ref_grads.items()}
     worst = max(grad_err, key=grad_err.get)
