@@ -399,6 +399,30 @@ class _Trainer:
         return w - self.lr * g * self.cfg.scale
 
 
+class _ListTrainer(_Trainer):
+    """``self`` used inside a comprehension: a cell on Python 3.11 (``LOAD_DEREF``), inlined on 3.12."""
+
+    def step(self, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return sum(p - self.lr * g for p in [w * self.cfg.scale for _ in range(2)])
+
+
+def test_instance_attributes_read_inside_a_comprehension_are_checked(mesh2):
+    """Python 3.11 made ``self`` a cell here, and the attributes read through it were not recorded: changing
+    ``trainer.lr`` or ``trainer.cfg.scale`` went unnoticed, silently."""
+    trainer = _ListTrainer()
+    w, g = torch.ones(4), torch.full((4,), 0.25)
+    sf = fxshard.jit(trainer.step, mesh2)
+    assert torch.equal(sf(w, g), trainer.step(w, g))
+    for attr, obj, value in (("self.lr", trainer, 0.1), ("self.cfg.scale", trainer.cfg, 3.0)):
+        name = attr.split(".")[-1]
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        with pytest.raises(fxshard.ShardingError, match=rf"reads the attribute '{attr}'"):
+            sf(w, g)
+        setattr(obj, name, old)
+    assert torch.equal(sf(w, g), trainer.step(w, g))
+
+
 def test_a_bound_methods_instance_attributes_are_checked_at_every_call(mesh2):
     """``fxshard.jit(trainer.step)``: ``self.lr`` and ``self.cfg.scale`` were baked in like globals; an epoch
     schedule assigning ``trainer.lr`` was ignored, silently. Now each call compares them."""

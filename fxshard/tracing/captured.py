@@ -10,7 +10,7 @@ what eager computes from the next call on, and nothing under fxshard: measured, 
 and closure variables (``LOAD_DEREF``) of its code and of the code nested in it (lambdas, inner
 functions), following the Python functions it reads that way when they are defined in the same
 module; decorators (``functools.wraps``) are looked through to the function they wrap. For a bound method
-(``fxshard.jit(trainer.step, ...)``), also the attributes it reads from its instance (``self.lr``,
+(``fxshard.jit(trainer.step, ...)``), also the attributes it reads from its instance, in nested comprehensions and lambdas too (``self.lr``,
 ``self.cfg.lr``: instance dicts only, no property is run). Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
 functions, config objects) are not compared, nor are the attributes read from them.
 :func:`check_captured` compares them at each call and raises a ShardingError naming the first one that
@@ -92,17 +92,23 @@ def _self_attributes(method: Any) -> list[Captured]:
         return []
     me = code.co_varnames[0]
     found: dict[str, Captured] = {}
-    path: Optional[list[str]] = None
-    for ins in dis.get_instructions(code):
-        if path is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(ins.argval, str):
-            path.append(ins.argval)
-            continue
-        if path:
-            value = _attribute(obj, path)
-            name = ".".join([me, *path])
-            if _scalar(value) and value is not _MISSING:
-                found.setdefault(name, Captured(name, "attribute", f.__qualname__, obj, value))
-        path = [] if ins.opname == "LOAD_FAST" and ins.argval == me else None
+    for c in _codes(code):
+        # the instance as a local, or as a cell where nested code uses it (a comprehension before Python 3.12,
+        # a lambda): read through LOAD_DEREF, here and in that nested code
+        loads = {"LOAD_FAST", "LOAD_FAST_CHECK"} if c is code else set()
+        if me in c.co_cellvars or (c is not code and me in c.co_freevars):
+            loads.add("LOAD_DEREF")
+        path: Optional[list[str]] = None
+        for ins in dis.get_instructions(c):
+            if path is not None and ins.opname in ("LOAD_ATTR", "LOAD_METHOD") and isinstance(ins.argval, str):
+                path.append(ins.argval)
+                continue
+            if path:
+                value = _attribute(obj, path)
+                name = ".".join([me, *path])
+                if _scalar(value) and value is not _MISSING:
+                    found.setdefault(name, Captured(name, "attribute", f.__qualname__, obj, value))
+            path = [] if ins.opname in loads and ins.argval == me else None
     return list(found.values())
 
 
