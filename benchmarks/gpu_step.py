@@ -43,6 +43,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any, Callable
 
 if __package__ in (None, ""):
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--only", default=None, help="comma-separated contenders")
     ap.add_argument("--out", default=None, help="also write the JSON into this folder")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="build no further contender once this many seconds have passed (the timing still runs)")
     args = ap.parse_args(argv)
 
     import torch
@@ -352,30 +355,46 @@ def main(argv: list[str] | None = None) -> dict:
     peak: dict[str, int] = {}
     losses: dict[str, float] = {}
     build_s: dict[str, float] = {}
+    failed: dict[str, str] = {}  # a contender that raised (or was skipped for time): the others still run
+    started = time.perf_counter()
     for name in names:
-        if cuda:
-            torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated() if cuda else 0
-        t0 = time.perf_counter()
-        torch.manual_seed(0)
-        _, step = build(name, cfg, args.layers, mesh, group, device, autocast_dtype, batch, tp)
-        for _ in range(2):  # warm-up (and compilation)
-            losses[name] = float(step())
-        if cuda:
-            torch.cuda.synchronize()
-        build_s[name] = time.perf_counter() - t0
+        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+            failed[name] = f"skipped: the --budget-s of {args.budget_s:.0f} s was spent"
+            print(f"[gpu_step] {name}: {failed[name]}", flush=True)
+            continue
+        try:
+            if cuda:
+                torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated() if cuda else 0
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            _, step = build(name, cfg, args.layers, mesh, group, device, autocast_dtype, batch, tp)
+            for _ in range(2):  # warm-up (and compilation)
+                losses[name] = float(step())
+            if cuda:
+                torch.cuda.synchronize()
+            build_s[name] = time.perf_counter() - t0
+            if cuda:
+                held[name] = torch.cuda.memory_allocated() - before
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                step()
+                torch.cuda.synchronize()
+                peak[name] = held[name] + torch.cuda.max_memory_allocated() - base
+        except Exception as e:  # noqa: BLE001 - reported, and the other contenders still measured
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {e}"
+            print(f"[gpu_step] {name} FAILED: {failed[name][:500]}", flush=True)
+            gc.collect()
+            continue
         steps[name] = step
-        if cuda:
-            held[name] = torch.cuda.memory_allocated() - before
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            torch.cuda.synchronize()
-            peak[name] = held[name] + torch.cuda.max_memory_allocated() - base
         # on the fake process group collectives move no data (a gather returns uninitialised memory), so the
         # losses only show that a step ran; they are comparable across contenders only under torchrun
         print(f"[gpu_step] built {name} in {build_s[name]:.1f} s, loss {losses[name]:.4f}"
-              f"{'' if real else ' (fake group: not comparable)'}", flush=True)
+              f"{'' if real else ' (fake group: not comparable)'}"
+              f"{f', held {held[name] / 2**30:.2f} GiB, peak {peak[name] / 2**30:.2f} GiB' if cuda else ''}",
+              flush=True)
+    names = [n for n in names if n in steps]
     gc.collect()
 
     flops = step_flops(steps["dense"]) if "dense" in steps else 0
@@ -402,11 +421,13 @@ def main(argv: list[str] | None = None) -> dict:
           f"dense FLOPs/step {flops / 1e12:.2f} T; bf16 matmul measured {rate / 1e12:.0f} TFLOP/s")
     print(table(rows, header))
     print("fxshard-free is the plan fxshard's planner picks with only the layers pinned (not like for like).")
+    for n, why in failed.items():
+        print(f"not measured: {n}: {why[:300]}")
     result = {"machine": {**machine(), "gpu": gpu}, "config": {**cfg, "layers": args.layers, "tp": tp,
               "collectives": "nccl" if real else "fake", "dtype": args.dtype}, "ms": ms,
               "ratio_vs_dense_eager": {r[0]: float(r[2]) for r in rows}, "peak_bytes": peak, "held_bytes": held,
               "losses": losses, "flops_per_step": flops, "matmul_flops_per_s": rate, "build_s": build_s,
-              "rounds": per_round}
+              "rounds": per_round, "not_measured": failed}
     if rank == 0:
         if not args.tiny:  # a smoke run's numbers are not results
             print(f"wrote {write_json('gpu_step.json', result)}")
@@ -415,6 +436,9 @@ def main(argv: list[str] | None = None) -> dict:
             with open(os.path.join(args.out, "gpu_step.json"), "w") as f:
                 json.dump(result, f, indent=2)
     dist.destroy_process_group()
+    errors = [n for n, why in failed.items() if not why.startswith("skipped")]
+    if errors:
+        raise SystemExit(f"gpu_step: {len(errors)} contender(s) failed: {', '.join(errors)}")
     return result
 
 

@@ -2,11 +2,15 @@
 device-neutral ``fxshard::attention`` node whatever device they were traced on, run on CUDA with
 F.scaled_dot_product_attention's own kernel choice (flash / cuDNN / memory-efficient), and match eager.
 
-* ``test_cuda_traced_attention_is_one_node_and_runs``: traced on CUDA (fp32 picks the efficient kernel, bf16
-  cuDNN), heads split over a 2-rank fake process group: no CUDA attention kernel in the programs, no fallback,
-  and forward + backward run (the old crash: a traced ``view`` of the kernel's output layout).
+* ``test_cuda_traced_attention_is_one_node_and_runs``: traced on CUDA, heads split over a 2-rank fake process
+  group: no CUDA attention kernel in the programs, no fallback, and forward + backward run (the old crash: a
+  traced ``view`` of the kernel's output layout).
 * ``test_cuda_parity_one_rank_nccl``: every attention form of ``tests/test_attention.py`` on a 1-rank NCCL
-  world, sharded vs unsharded, outputs and every gradient.
+  world, sharded vs unsharded, outputs and every gradient. Their head dim (4) keeps SDPA on its math and
+  memory-efficient kernels, hence:
+* ``test_each_fused_kernel_matches_eager``: bf16, head dims 64 and 128, SDPA held to one fused kernel
+  (``sdpa_kernel``: flash, memory-efficient, cuDNN) around both the sharded and the eager run, outputs and
+  every gradient (forward through the kernel, backward through its own backward under ``torch.func.vjp``).
 * ``test_cpu_traced_program_runs_on_cuda``: the global graph traced on CPU (and on meta) runs on CUDA.
 
 ``FXSHARD_GPU_TEST_DEVICE=cpu`` runs the same checks on CPU with gloo (a dry run of this file, not a GPU result).
@@ -20,6 +24,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
@@ -80,6 +86,57 @@ def test_cuda_parity_one_rank_nccl():
             for name, p in sm.named_parameters():
                 err = max(err, (p.grad - ref.get_parameter(name).grad).abs().max().item())
             assert err < 1e-4, (form, err)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Heads(nn.Module):
+    """q/k/v/o projections around causal SDPA with ``heads`` heads of ``head_dim``."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.h, dim = heads, heads * head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, self.h, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+# the fused kernels eager would pick from (CPU has one, for the dry run)
+KERNELS = ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"] if DEVICE == "cuda" else ["FLASH_ATTENTION"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_fused_kernel_matches_eager(kernel, head_dim):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = _fresh_world("nccl", 1)
+    try:
+        torch.manual_seed(0)
+        ref = _Heads(4, head_dim).to(DEVICE, torch.bfloat16)
+        model = copy.deepcopy(ref)
+        x = torch.randn(2, 256, 4 * head_dim, device=DEVICE, dtype=torch.bfloat16)
+        cot = torch.randn_like(x)
+        with sdpa_kernel(getattr(SDPBackend, kernel)):  # only this kernel: eager raises if it cannot serve
+            xr = x.clone().requires_grad_()
+            want = ref(xr)
+            (want * cot).sum().backward()
+            sm = fxshard.shard(model, mesh, HEADS, example_inputs=(x.clone().requires_grad_(),))
+            xl = x.clone().requires_grad_()
+            got = sm(xl)
+            (got * cot).sum().backward()
+        scale = lambda t: max(1e-3, t.abs().max().item())  # noqa: E731
+        errs = {"out": (got - want).abs().max().item() / scale(want),
+                "x": (xl.grad - xr.grad).abs().max().item() / scale(xr.grad)}
+        for name, p in sm.named_parameters():
+            g = ref.get_parameter(name).grad
+            errs[name] = (p.grad - g).abs().max().item() / scale(g)
+        print(kernel, head_dim, {k: f"{v:.1e}" for k, v in errs.items()})
+        assert max(errs.values()) <= 2e-2, (kernel, head_dim, errs)
     finally:
         dist.destroy_process_group()
 

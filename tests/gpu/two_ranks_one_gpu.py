@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -35,8 +36,11 @@ DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
 
 
 def one_gpu_nccl_env(rank: int) -> dict[str, str]:
-    """The NCCL settings that let rank ``rank`` share the machine's one GPU with the other ranks."""
-    return {"NCCL_HOSTID": f"fxshard-one-gpu-rank{rank}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1"}
+    """The NCCL settings that let rank ``rank`` share the machine's one GPU with the other ranks: its own host
+    id, NCCL's own socket transport (no InfiniBand, no network plugin) on the loopback interface, warnings
+    logged (which transport failed, and why)."""
+    return {"NCCL_HOSTID": f"fxshard-one-gpu-rank{rank}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_IB_DISABLE": "1",
+            "NCCL_NET": "Socket", "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
 
 
 def _case(mesh, dtype, built_on: str) -> dict:
@@ -70,9 +74,10 @@ def main() -> int:
     if DEVICE == "cuda":
         os.environ.update(one_gpu_nccl_env(rank))
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+        # a stuck collective becomes an error within the GPU check's time limit (NCCL's default: 10 minutes)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0), timeout=timedelta(seconds=60))
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         mesh = init_device_mesh(DEVICE, (world,), mesh_dim_names=("tp",))
         probe = torch.full((4,), float(rank + 1), device=DEVICE)
