@@ -247,6 +247,8 @@ def _module_tree(model: nn.Module) -> list[tuple[str, type, bool, str, dict[str,
 
 
 _GC_YOUNG = 50_000  # allocations between young-generation collections while sharding (Python's default: 700)
+# what the interpreter froze before fxshard (Python 3.12.1 starts with 375 objects frozen; 3.11 and 3.13 with none)
+_FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
 def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callable[[str], None]
@@ -258,12 +260,13 @@ def _shard_programs(model: nn.Module, info: MeshInfo, req: _Request, say: Callab
     code stale; generating Python for a 10k-node graph takes a tenth of a second, dozens of times
     over); the finished programs' code is generated once, here. The objects alive before the call
     (torch's own, the model) are frozen out of the garbage collector meanwhile, so its full
-    collections scan only what sharding allocates (unless the caller froze some already), and the
+    collections scan only what sharding allocates (unless the caller froze some since fxshard was imported:
+    Python 3.12 starts with a few hundred objects of its own frozen, which count as none), and the
     youngest generation is collected every ``_GC_YOUNG`` allocations instead of 700: tracing allocates
     millions of objects, nearly all kept (graph nodes, fake tensors), so frequent young collections found
     little and promoted into the full ones (~9% of shard() at 8B x 32 layers).
     """
-    freeze = gc.isenabled() and gc.get_freeze_count() == 0
+    freeze = gc.isenabled() and gc.get_freeze_count() <= _FROZEN_AT_IMPORT
     if freeze:
         gc.freeze()
     thresholds = gc.get_threshold()
