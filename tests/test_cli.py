@@ -71,6 +71,20 @@ def test_demo_runs_the_main_job_with_parity():
     assert "PARITY" in r.stdout and "all_reduce" in r.stdout
 
 
+def test_demo_ranks_import_this_checkout_installed_or_not(monkeypatch):
+    """torchrun starts the demo's ranks with examples/ as their first path entry: from a checkout that was not
+    pip-installed (or beside another installed fxshard) they could not import this fxshard."""
+    import fxshard.frontends.cli as cli
+
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert cli.demo_command(None) == 0
+    (cmd, env), = calls
+    assert env["PYTHONPATH"].split(os.pathsep) == [ROOT, "/elsewhere"], env["PYTHONPATH"]
+    assert cmd[-1] == os.path.join(ROOT, "examples", "toy_tp_train.py")
+
+
 def test_plan_auto_completes_an_empty_plan_within_the_budget():
     """Seed 004's 100k-class head needs 781 MiB replicated (parameter, gradient, AdamW state): under a 600 MB
     budget on dp=2 the solver splits it over the classes and the report says so."""

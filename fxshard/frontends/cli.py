@@ -215,7 +215,9 @@ def demo_command(args: argparse.Namespace) -> int:
     if not os.path.exists(script):
         raise CliError(f"{script} not found: `fxshard demo` runs from a source checkout of fxshard")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # the ranks import this checkout's fxshard, installed or not (the script's own folder is examples/)
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=path)
     return subprocess.call(cmd, env=env)
 
 
