@@ -54,7 +54,9 @@ def _redistributed(x: torch.Tensor, src: tuple, shape: tuple, dst: tuple, mesh: 
     inp.meta["val"] = torch.empty(x.shape, dtype=x.dtype, device="meta")
     out = g.output(None)
     out.args = (redistribute_nodes(Emitter(g, out, {}), inp, Spec(src, shape, x.dtype), dst, mesh),)
-    return fx.GraphModule(torch.nn.Module(), g)(x)
+    # contiguous, as the placeholder's meta says (a slice of the full tensor is not; torch 2.11's collectives
+    # refuse such an input, later ones copy it)
+    return fx.GraphModule(torch.nn.Module(), g)(x.contiguous())
 
 
 def _layouts(k: int, shape: tuple, sizes: tuple) -> list[tuple]:
