@@ -9,8 +9,8 @@ and no replicated fallback that the same model traced on CPU does not have.
 
 What it cannot see: without a GPU, SDPA's kernel choice on fake CUDA tensors falls back to the math form, so a
 program that lost the ``fxshard::attention`` node shows matmuls here where a GPU would show a cuDNN kernel (the
-missing node is still reported). Needs a torch built with CUDA (the GPU machines' wheel works on a CPU-only machine); a CPU-only build cannot
-make CUDA tensors, even fake ones. Training graphs are out of reach: autograd's engine starts a thread per
+missing node is still reported). Needs a torch built with CUDA (the GPU machines' wheel works on a CPU-only
+machine); a CPU-only build cannot make CUDA tensors, even fake ones. Training graphs are out of reach: autograd's engine starts a thread per
 CUDA device, and there is none. ``scripts/check_torch_window.sh`` runs it when the interpreter has CUDA built.
 Exit status 1 when any model fails a check.
 """

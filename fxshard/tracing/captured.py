@@ -10,9 +10,10 @@ what eager computes from the next call on, and nothing under fxshard: measured, 
 and closure variables (``LOAD_DEREF``) of its code and of the code nested in it (lambdas, inner
 functions), following the Python functions it reads that way when they are defined in the same
 module; decorators (``functools.wraps``) are looked through to the function they wrap. For a bound method
-(``fxshard.jit(trainer.step, ...)``), also the attributes it reads from its instance, in nested comprehensions and lambdas too (``self.lr``,
-``self.cfg.lr``: instance dicts only, no property is run). Scalars are numbers, strings, ``None`` and tuples of those; other objects (modules,
-functions, config objects) are not compared, nor are the attributes read from them.
+(``fxshard.jit(trainer.step, ...)``), also the attributes it reads from its instance, in nested comprehensions
+and lambdas too (``self.lr``, ``self.cfg.lr``: instance dicts only, no property is run). Scalars are numbers,
+strings, ``None`` and tuples of those; other objects (modules, functions, config objects) are not compared, nor
+are the attributes read from them.
 :func:`check_captured` compares them at each call and raises a ShardingError naming the first one that
 changed. ``fxshard.shard`` does the same for the ``forward`` of the model's own module classes
 (:func:`forward_scalars`; torch's are left out): a module-level ``TEMPERATURE`` a forward divides by.
