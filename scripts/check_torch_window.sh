@@ -18,30 +18,26 @@ if [ "${#files[@]}" -eq 0 ]; then
 fi
 "$py" -c "import torch, fxshard; print('torch', torch.__version__, '| fxshard from', fxshard.__file__)" || exit 1
 failed=0
-for f in "${files[@]}"; do
-  start=$(date +%s)
+log="/tmp/check_torch_window.$$.log"
+check() {  # check NAME CMD...: run CMD with this checkout first on the path, print PASS or FAIL with its log's tail
+  local name=$1 start=$SECONDS; shift
   PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FXSHARD_VERIFY=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-    timeout "${FILE_TIMEOUT:-1800}" "$py" -m pytest -q -p no:cacheprovider -x "$f" > "/tmp/check_torch_window.$$.log" 2>&1
-  rc=$?
-  secs=$(( $(date +%s) - start ))
+    timeout "${FILE_TIMEOUT:-1800}" "$@" > "$log" 2>&1
+  local rc=$? secs=$((SECONDS - start))
   if [ "$rc" -eq 0 ]; then
-    echo "PASS $f (${secs}s): $(tail -n 1 "/tmp/check_torch_window.$$.log")"
+    echo "PASS $name (${secs}s): $(tail -n 1 "$log")"
   else
     failed=1
-    echo "FAIL $f (rc=$rc, ${secs}s):"
-    tail -n 40 "/tmp/check_torch_window.$$.log" | sed 's/^/    /'
+    echo "FAIL $name (rc=$rc, ${secs}s):"
+    tail -n 40 "$log" | sed 's/^/    /'
   fi
+}
+for f in "${files[@]}"; do
+  check "$f" "$py" -m pytest -q -p no:cacheprovider -x "$f"
 done
-rm -f "/tmp/check_torch_window.$$.log"
 if [ "$#" -eq 0 ] && "$py" -c "import sys, torch; sys.exit(not torch.backends.cuda.is_built())"; then
   # a CUDA build (a GPU machine's wheel, here or there): what fxshard traces on CUDA, without a GPU
-  if FXSHARD_VERIFY=1 "$py" scripts/check_cuda_trace.py > "/tmp/check_cuda_trace.$$.log" 2>&1; then
-    echo "PASS scripts/check_cuda_trace.py: $(tail -n 1 "/tmp/check_cuda_trace.$$.log")"
-  else
-    failed=1
-    echo "FAIL scripts/check_cuda_trace.py:"
-    tail -n 40 "/tmp/check_cuda_trace.$$.log" | sed 's/^/    /'
-  fi
-  rm -f "/tmp/check_cuda_trace.$$.log"
+  check scripts/check_cuda_trace.py "$py" scripts/check_cuda_trace.py
 fi
+rm -f "$log"
 exit "$failed"

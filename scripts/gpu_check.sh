@@ -5,7 +5,7 @@
 # Parts: versions and `import fxshard`; the GPU tests (pytest -m gpu tests/gpu) but the two-rank one; the
 # two-rank test (2 processes sharing the GPU, NCCL); benchmarks/gpu_step.py at Llama-3-8B layer shapes (tp=8
 # on the fake process group; under torchrun with several GPUs it uses NCCL). Each part has its own time limit
-# (together 9 minutes, one device call) so one hang cannot eat the others; at its limit a part gets SIGINT, so
+# (565 s together, one device call) so one hang cannot eat the others; at its limit a part gets SIGINT, so
 # pytest still prints what failed (and faulthandler dumps the stacks of a test that runs over 60 s). The exit
 # code is the first failure's.
 set -uo pipefail

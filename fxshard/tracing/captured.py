@@ -97,7 +97,7 @@ def _self_attributes(method: Any) -> list[Captured]:
         # the instance as a local, or as a cell where nested code uses it (a comprehension before Python 3.12,
         # a lambda): read through LOAD_DEREF, here and in that nested code
         loads = {"LOAD_FAST", "LOAD_FAST_CHECK"} if c is code else set()
-        if me in c.co_cellvars or (c is not code and me in c.co_freevars):
+        if me in (c.co_cellvars if c is code else c.co_freevars):  # nested code's own ``self`` is another one
             loads.add("LOAD_DEREF")
         path: Optional[list[str]] = None
         for ins in dis.get_instructions(c):

@@ -19,7 +19,6 @@ F.scaled_dot_product_attention's own kernel choice (flash / cuDNN / memory-effic
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -30,11 +29,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fxshard
 from fxshard.ops.attention import ATTENTION, ATTENTION_BACKWARD
+from tests.gpu.test_cuda import DEVICE
 from tests.test_attention import B, D, FORMS, HEADS, T, _model
 
 pytestmark = pytest.mark.gpu
-
-DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
 
 
 def _fresh_world(backend: str, world: int = 1):

@@ -28,11 +28,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
-import fxshard  # noqa: E402
 from fxshard.models import LlamaDecoder  # noqa: E402
-from tests.gpu.test_cuda import SMALL, TOLS, _autocast, _batches, _train, megatron_plan  # noqa: E402
-
-DEVICE = os.environ.get("FXSHARD_GPU_TEST_DEVICE", "cuda")
+from tests.gpu.test_cuda import DEVICE, SMALL, TOLS, _batches, _train, relative_errors, shard_like  # noqa: E402
 
 
 def one_gpu_nccl_env(rank: int) -> dict[str, str]:
@@ -44,26 +41,16 @@ def one_gpu_nccl_env(rank: int) -> dict[str, str]:
 
 
 def _case(mesh, dtype, built_on: str) -> dict:
-    """Relative errors (scaled as in test_cuda) of the sharded run against eager, both on DEVICE."""
+    """Relative errors (test_cuda's) of the sharded run against eager, both on DEVICE."""
     torch.manual_seed(0)
     ref = LlamaDecoder(**SMALL).to(DEVICE)
-    with torch.device(built_on):
-        model = LlamaDecoder(**SMALL)
-    if built_on != "meta":
-        model.load_state_dict(ref.state_dict())
     batches = _batches(SMALL)
-    with _autocast(dtype):
-        sm = fxshard.shard(model, mesh, megatron_plan(), example_inputs=batches[0])
-    if built_on == "meta":
-        sm.load_full_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
-        for name in ("rope_cos", "rope_sin"):
-            sm.get_buffer(name).copy_(ref.get_buffer(name))
+    sm = shard_like(ref, built_on, mesh, dtype, batches[0])
     layout = sm.fxshard_state.layout
     split = [n for n, _ in sm.named_parameters() if layout.split_axes(n)]
     losses, grads = _train(sm, batches, dtype, grad_of=lambda n, g: layout.dtensor(n, g).full_tensor())
     ref_losses, ref_grads = _train(ref, batches, dtype)
-    loss_err = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(losses, ref_losses))
-    grad_err = {n: (grads[n] - g).abs().max().item() / max(1e-3, g.abs().max().item()) for n, g in ref_grads.items()}
+    loss_err, grad_err = relative_errors(losses, ref_losses, grads, ref_grads)
     worst = max(grad_err, key=grad_err.get)
     return {"loss_err": loss_err, "grad_err": grad_err[worst], "worst_grad": worst, "split_params": len(split),
             "params": len(ref_grads), "tol": TOLS[dtype]}
